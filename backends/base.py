@@ -1,0 +1,141 @@
+"""The backend seam: what every model runtime (torch, llama.cpp) offers to zoomr.
+
+A backend owns model weights and a tokenizer and runs *sequences*: independent KV caches that
+can be prefilled, decoded one token at a time, forked (a candidate branching from a committed
+prefix, KV-Rescue) and freed. Logits cross the seam as float32 numpy arrays so the sampler, the
+generation loop and the rescue loop are backend-neutral.
+
+Terms follow vLLM / llama.cpp: prefill (many prompt tokens in one forward), decode (one token),
+KV cache, budget (KV tokens a policy may keep resident), fork, eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A model runtime failed on well-formed input (for example llama.cpp found no KV slot)."""
+
+
+@dataclass
+class KVStats:
+    """KV-cache accounting of one sequence.
+
+    Attributes:
+        active_tokens: KV positions resident on the compute device and attended at the last step
+            (tokens, counted once per position even when heads select different positions).
+        full_tokens: positions ever written for the sequence (prompt + generated), i.e. what full
+            KV would hold (tokens).
+        active_bytes: bytes of K and V of the active set, all layers (bytes).
+        full_bytes: bytes of K and V of all positions, all layers (bytes).
+        peak_active_tokens: largest ``active_tokens`` seen so far (tokens).
+        extra: policy-specific numbers (recomputes, agreeability, ...).
+    """
+
+    active_tokens: int
+    full_tokens: int
+    active_bytes: int
+    full_bytes: int
+    peak_active_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def saving(self) -> float:
+        """Memory saving factor full/active (×); 1.0 for an empty cache."""
+        return self.full_bytes / self.active_bytes if self.active_bytes else 1.0
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict with the fields above plus ``saving``."""
+        return {
+            "active_tokens": self.active_tokens,
+            "full_tokens": self.full_tokens,
+            "active_bytes": self.active_bytes,
+            "full_bytes": self.full_bytes,
+            "peak_active_tokens": self.peak_active_tokens,
+            "saving": round(self.saving, 3),
+            **self.extra,
+        }
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """A model's own tokenizer.
+
+    Attributes:
+        vocab_size: number of token ids (logit width).
+        bos_id: id of the beginning-of-sequence token, or None.
+        eos_ids: ids that end generation (EOS, end-of-turn).
+        chat_template: the model's Jinja chat template, or None when the model has none.
+        bos_text / eos_text: the special tokens' text, for templates.
+    """
+
+    vocab_size: int
+    bos_id: int | None
+    eos_ids: frozenset[int]
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+
+    def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_start|>``."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` (invalid UTF-8 at the edges becomes U+FFFD)."""
+        ...
+
+
+@runtime_checkable
+class Sequence(Protocol):
+    """One KV cache inside a backend. ``tokens`` are the ids whose KV it holds, in order."""
+
+    tokens: list[int]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model runtime. All logits are float32 numpy arrays over the vocabulary.
+
+    Errors: methods raise :class:`BackendError` when the runtime fails, ``ValueError`` on ids
+    outside the vocabulary or a context overflow.
+    """
+
+    name: str
+    tokenizer: Tokenizer
+    n_ctx: int
+
+    def new_sequence(self) -> Sequence:
+        """An empty sequence with the backend's configured KV policy."""
+        ...
+
+    def prefill(self, seq: Sequence, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Append ``ids`` (len T ≥ 1) to ``seq`` in one forward.
+
+        Returns logits of the last position, shape [vocab], or of every position, shape [T, vocab],
+        when ``all_logits``.
+        """
+        ...
+
+    def decode(self, seq: Sequence, token: int) -> np.ndarray:
+        """Append one token; returns next-token logits, shape [vocab]."""
+        ...
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence sharing ``seq``'s state; the prefix is never decoded again."""
+        ...
+
+    def free(self, seq: Sequence) -> None:
+        """Release the KV cache of ``seq``."""
+        ...
+
+    def kv_stats(self, seq: Sequence) -> KVStats:
+        """KV accounting of ``seq`` (see :class:`KVStats`)."""
+        ...
+
+    def describe(self) -> str:
+        """One line naming the model, device, dtype and policy."""
+        ...

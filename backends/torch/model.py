@@ -1,0 +1,131 @@
+"""A compact functional decoder for the Llama / Qwen2 / SmolLM2 family.
+
+Pre-norm transformer: RMSNorm → attention (GQA, RoPE, optional q/k/v bias) → residual →
+RMSNorm → SwiGLU MLP → residual; final RMSNorm; LM head (tied or not). Attention reads its keys
+and values through a :class:`kvstore.base.KVCache`, which is where KV policies plug in.
+
+Source: the HF ``transformers`` Llama and Qwen2 modelling code (architecture facts only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvstore.base import KVCache
+
+from .config import ModelConfig
+from .rope import RotaryTable, apply_rotary, inv_frequencies
+
+
+@dataclass
+class _Layer:
+    attn_norm: torch.Tensor   # [hidden]
+    wqkv: torch.Tensor        # [(H + 2*Hkv) * d, hidden]
+    bqkv: torch.Tensor | None  # [(H + 2*Hkv) * d]
+    wo: torch.Tensor          # [hidden, H * d]
+    mlp_norm: torch.Tensor    # [hidden]
+    w_gate_up: torch.Tensor   # [2 * ffn, hidden]
+    w_down: torch.Tensor      # [hidden, ffn]
+
+
+class Decoder:
+    """Inference-only decoder with fused QKV and gate/up projections.
+
+    Args:
+        cfg: architecture.
+        tensors: float32 numpy weights under HF names (see ``weights.py``).
+        device: torch device.
+        dtype: compute dtype (float32, bfloat16, float16).
+    """
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], device: torch.device,
+                 dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+
+        def t(name: str) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(tensors[name])).to(device=device, dtype=dtype)
+
+        self.embed = t("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tied_embeddings else t("lm_head.weight")
+        self.norm = t("model.norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if cfg.attn_bias:
+                bias = torch.cat([t(a + f"{x}_proj.bias") for x in "qkv"])
+            self.layers.append(_Layer(
+                attn_norm=t(p + "input_layernorm.weight"),
+                wqkv=torch.cat([t(a + f"{x}_proj.weight") for x in "qkv"]),
+                bqkv=bias,
+                wo=t(a + "o_proj.weight"),
+                mlp_norm=t(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
+                w_down=t(p + "mlp.down_proj.weight"),
+            ))
+        freq = tensors.get("rope_freqs")
+        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                              torch.from_numpy(freq) if freq is not None else None)
+        self.rope = RotaryTable(inv, device, torch.float32, n=min(cfg.max_ctx, 8192))
+        self._split = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as held on the device (tied embeddings counted once)."""
+        seen, total = set(), 0
+        for w in [self.embed, self.lm_head, self.norm] + [x for l in self.layers for x in vars(l).values()]:
+            if w is not None and id(w) not in seen:
+                seen.add(id(w))
+                total += w.numel() * w.element_size()
+        return total
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype) * w
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run T tokens through the model, appending their K/V to ``cache``.
+
+        Args:
+            ids: [T] int64 token ids.
+            positions: [T] int64 absolute positions (RoPE).
+            cache: the sequence's KV cache; ``cache.update`` returns the keys/values to attend.
+            all_logits: return logits for all T positions instead of the last one.
+        Returns:
+            float32 logits, [vocab] or [T, vocab].
+        """
+        cfg = self.cfg
+        T = ids.shape[0]
+        H, Hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        x = self.embed[ids]
+        cos, sin = self.rope.get(positions)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        for li, L in enumerate(self.layers):
+            h = self._rms(x, L.attn_norm)
+            qkv = F.linear(h, L.wqkv, L.bqkv)
+            q, k, v = qkv.split(self._split, dim=-1)
+            q = apply_rotary(q.view(T, H, d).transpose(0, 1), cos, sin)
+            k = apply_rotary(k.view(T, Hkv, d).transpose(0, 1), cos, sin)
+            v = v.view(T, Hkv, d).transpose(0, 1)
+            K, V = cache.update(li, q, k, v)
+            N = K.shape[1]
+            mask = None
+            if T > 1:
+                # the T new tokens are the last T of the N attended: causal within them
+                mask = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(diagonal=N - T)
+            o = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
+                                               attn_mask=mask, enable_gqa=H != Hkv)
+            x = x + F.linear(o[0].transpose(0, 1).reshape(T, H * d), L.wo)
+            h = self._rms(x, L.mlp_norm)
+            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.w_down)
+        if not all_logits:
+            x = x[-1:]
+        logits = F.linear(self._rms(x, self.norm), self.lm_head).float()
+        return logits if all_logits else logits[0]

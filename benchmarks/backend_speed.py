@@ -1,0 +1,95 @@
+"""Prefill and decode throughput of the torch backend (fp32, bf16) against llama-cpp-python, one run.
+
+Same model file, same prompt, same thread count, greedy decoding; every engine is timed in this
+process one after the other, so the ratios are comparable even though absolute times vary by machine.
+
+    python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    text = " ".join(f"Step {i}: we add {i} apples to the basket and count them again." for i in range(400))
+    return tokenizer.encode(text, add_bos=False, special=False)[:n]
+
+
+def bench_torch(source, dtype: str, ids: list[int], n_decode: int, threads: int, device: str) -> dict:
+    from backends.torch.engine import TorchBackend
+
+    be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads)
+    be.prefill(be.new_sequence(), ids[:16])  # warm-up: allocator, kernels
+    seq = be.new_sequence()
+    t = time.perf_counter()
+    logits = be.prefill(seq, ids)
+    prefill_s = time.perf_counter() - t
+    tok = int(np.argmax(logits))
+    t = time.perf_counter()
+    for _ in range(n_decode):
+        tok = int(np.argmax(be.decode(seq, tok)))
+    decode_s = time.perf_counter() - t
+    return {"engine": f"torch {dtype}", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
+            "weight_MiB": be.model.weight_bytes() / 2**20}
+
+
+def bench_llamacpp(path, ids: list[int], n_decode: int, threads: int) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    llm.eval(ids[:16])
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids)
+    prefill_s = time.perf_counter() - t
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = time.perf_counter()
+    for _ in range(n_decode):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    decode_s = time.perf_counter() - t
+    import os
+    return {"engine": "llama.cpp", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
+            "weight_MiB": os.path.getsize(path) / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    a = ap.parse_args()
+
+    from backends.models import resolve_model
+    from backends.tokenizer import LlamaCppTokenizer
+
+    src = resolve_model(a.model)
+    ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
+    rows = [bench_llamacpp(src.path, ids, a.decode_tokens, a.threads)]
+    for dt in a.dtypes.split(","):
+        rows.append(bench_torch(src, dt, ids, a.decode_tokens, a.threads, a.device))
+    ref = rows[0]
+    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads")
+    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ×llama.cpp':>19}{'weights MiB':>13}")
+    for r in rows:
+        r["decode_ratio"] = r["decode_tok_s"] / ref["decode_tok_s"]
+        r["prefill_ratio"] = r["prefill_tok_s"] / ref["prefill_tok_s"]
+        print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{r['decode_ratio']:>19.2f}"
+              f"{r['weight_MiB']:>13.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

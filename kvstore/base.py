@@ -1,0 +1,117 @@
+"""The KV-cache seam between the torch decoder and KV policies.
+
+The decoder calls :meth:`KVCache.update` once per layer per forward with the new tokens' query,
+key and value; the cache stores them and answers with the keys/values to attend. A policy
+(eviction, ZoomR retrieval) is a KVCache that answers with a selection instead of everything.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from backends.base import KVStats
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Per-sequence KV storage for all layers.
+
+    Attributes:
+        n_tokens: positions written so far (tokens); the next token's position.
+    """
+
+    n_tokens: int
+
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the T new tokens' K/V of ``layer`` and return what attention reads.
+
+        Args:
+            layer: layer index.
+            q: [H, T, d] post-RoPE queries (policies may score with them).
+            k: [Hkv, T, d] post-RoPE keys.
+            v: [Hkv, T, d] values.
+        Returns:
+            (K, V), each [Hkv, N, d] with N ≥ T; the last T entries are the new tokens in order.
+        """
+        ...
+
+    def end_forward(self, token_ids: list[int], text: str) -> None:
+        """Called once after all layers ran for a forward of ``token_ids`` whose text is ``text``."""
+        ...
+
+    def fork(self) -> "KVCache":
+        """An independent copy of this cache (same contents, separate future)."""
+        ...
+
+    def stats(self) -> KVStats:
+        """Active/full token and byte counts (see :class:`backends.base.KVStats`)."""
+        ...
+
+
+class FullKVCache:
+    """Full KV on the compute device, no eviction: the reference every policy is compared with.
+
+    Storage per layer is [Hkv, capacity, d] for K and V; capacity doubles when full, so appending
+    costs amortized O(1) copies per token (no per-token reallocation).
+
+    Args:
+        n_layers, n_kv_heads, head_dim: model shapes.
+        device, dtype: where and how K/V are stored.
+        capacity: initial positions reserved (tokens).
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype, capacity: int = 256):
+        self.shape = (n_layers, n_kv_heads, head_dim)
+        self.device, self.dtype = device, dtype
+        self.k = [torch.empty(n_kv_heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.empty_like(x) for x in self.k]
+        self.n_tokens = 0
+        self._peak = 0
+
+    def _grow(self, layer: int, need: int) -> None:
+        cap = self.k[layer].shape[1]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        for store in (self.k, self.v):
+            old = store[layer]
+            grown = torch.empty(old.shape[0], new_cap, old.shape[2], device=old.device, dtype=old.dtype)
+            grown[:, :cap] = old
+            store[layer] = grown
+
+    def update(self, layer, q, k, v):
+        """See :meth:`KVCache.update`; returns all positions written so far."""
+        T = k.shape[1]
+        end = self.n_tokens + T
+        self._grow(layer, end)
+        self.k[layer][:, self.n_tokens:end] = k
+        self.v[layer][:, self.n_tokens:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def end_forward(self, token_ids, text):
+        """Advance the write position by the forward's token count."""
+        self.n_tokens += len(token_ids)
+        self._peak = max(self._peak, self.n_tokens)
+
+    def fork(self):
+        """A deep copy holding the same positions."""
+        other = FullKVCache(*self.shape, self.device, self.dtype, capacity=max(self.n_tokens, 1))
+        for src, dst in ((self.k, other.k), (self.v, other.v)):
+            for li in range(len(src)):
+                dst[li][:, :self.n_tokens] = src[li][:, :self.n_tokens]
+        other.n_tokens, other._peak = self.n_tokens, self._peak
+        return other
+
+    def token_bytes(self) -> int:
+        """Bytes of K and V of one position over all layers."""
+        L, Hkv, d = self.shape
+        return 2 * L * Hkv * d * torch.tensor([], dtype=self.dtype).element_size()
+
+    def stats(self) -> KVStats:
+        """Active == full for this cache."""
+        b = self.token_bytes()
+        return KVStats(self.n_tokens, self.n_tokens, self.n_tokens * b, self.n_tokens * b, self._peak)

@@ -1,0 +1,59 @@
+"""The ``zoomr`` command: Typer app, command registration and the error boundary."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, UserError, fail
+
+app = typer.Typer(
+    name="zoomr",
+    help="Long reasoning under a fixed KV-cache budget: solve, chat and benchmark KV policies.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from .chat import chat_command
+    from .solve import solve_command
+
+    app.command("solve")(solve_command)
+    app.command("chat")(chat_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: run the app, turn failures into one stderr line and an exit code.
+
+    Exit codes: 0 ok, 1 runtime failure, 2 bad input (usage, files, model, values), 130 Ctrl-C.
+    """
+    _register()
+    try:
+        rv = app(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        print("zoomr: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("zoomr: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (UserError, ValueError, OSError) as e:
+        return fail(e, EXIT_BAD_INPUT)
+    except Exception as e:  # the boundary: anything else is still one line unless ZOOMR_DEBUG
+        return fail(e, EXIT_RUNTIME)
+    return rv if isinstance(rv, int) else 0
+
+
+def run() -> None:
+    """The ``zoomr`` console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

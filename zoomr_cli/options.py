@@ -1,0 +1,105 @@
+"""Options shared by every command that runs a model (llama.cpp names where they exist).
+
+:func:`model_options` adds them to a Typer command's signature and hands the command one
+:class:`RunOptions`, so ``solve``, ``chat`` and ``bench`` declare them once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, fields
+from typing import Annotated, Optional
+
+import typer
+
+from backends.sampling import SamplingParams
+
+PANEL_MODEL = "Model and backend"
+PANEL_SAMPLING = "Sampling"
+
+
+@dataclass
+class RunOptions:
+    """Model, backend and sampling settings of one command invocation (units: tokens, threads)."""
+
+    model: Optional[str] = None
+    backend: str = "torch"
+    ctx_size: int = 4096
+    n_predict: int = 512
+    threads: Optional[int] = None
+    n_gpu_layers: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    temp: Optional[float] = None
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+    def sampling(self, default_temp: float) -> SamplingParams:
+        """Validated sampling params; ``default_temp`` applies when ``--temp`` was not given.
+
+        Raises:
+            ValueError: an invalid sampling value.
+        """
+        temp = default_temp if self.temp is None else self.temp
+        return SamplingParams(temperature=temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed).validate()
+
+
+_OPTION_DECLS = {
+    "model": (Optional[str], typer.Option("-m", "--model", help="GGUF file, HF model directory or hub id "
+                                          "(default: the embedded SmolLM2-135M-Instruct).", rich_help_panel=PANEL_MODEL)),
+    "backend": (str, typer.Option("--backend", help="Model runtime: torch (our decoder, KV policies) or llamacpp.",
+                                  rich_help_panel=PANEL_MODEL)),
+    "ctx_size": (int, typer.Option("-c", "--ctx-size", help="Most KV positions a sequence may hold (tokens).",
+                                   rich_help_panel=PANEL_MODEL)),
+    "n_predict": (int, typer.Option("-n", "--n-predict", help="Most tokens to generate (-1: until EOS or -c).",
+                                    rich_help_panel=PANEL_MODEL)),
+    "threads": (Optional[int], typer.Option("-t", "--threads", help="CPU threads (default: all cores).",
+                                            rich_help_panel=PANEL_MODEL)),
+    "n_gpu_layers": (int, typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the GPU "
+                                       "(-1 all); torch: 0 forces the CPU.", rich_help_panel=PANEL_MODEL)),
+    "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
+                                 rich_help_panel=PANEL_MODEL)),
+    "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, "
+                                "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
+    "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
+    "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
+    "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),
+    "seed": (int, typer.Option("-s", "--seed", help="RNG seed for sampling.", rich_help_panel=PANEL_SAMPLING)),
+}
+
+
+def model_options(**defaults):
+    """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
+
+    Keyword arguments override the defaults of :class:`RunOptions` for this command
+    (for example ``n_predict=1024``).
+    """
+    base = {f.name: f.default for f in fields(RunOptions)}
+    base.update(defaults)
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)  # the command module may defer annotations
+        own = [p.replace(annotation=hints.get(p.name, p.annotation))
+               for p in sig.parameters.values() if p.name != "opts"]
+        extra = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=base[name],
+                              annotation=Annotated[typ, opt])
+            for name, (typ, opt) in _OPTION_DECLS.items()
+        ]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            opts = RunOptions(**{name: kwargs.pop(name) for name in _OPTION_DECLS})
+            return fn(opts=opts, **kwargs)
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__
+        return command
+
+    return wrap
