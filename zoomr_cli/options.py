@@ -18,6 +18,8 @@ from backends.sampling import SamplingParams
 
 PANEL_MODEL = "Model and backend"
 PANEL_SAMPLING = "Sampling"
+PANEL_KV = "KV policy"
+POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
 
 
 @dataclass
@@ -36,6 +38,13 @@ class RunOptions:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+    policy: str = "full"
+    budget: int = 64
+    window: Optional[int] = None
+    topk_per_head: int = 2
+    consensus: int = 2
+    sink: int = 4
+    summaries: str = "auto"
 
     def sampling(self, default_temp: float) -> SamplingParams:
         """Validated sampling params; ``default_temp`` applies when ``--temp`` was not given.
@@ -68,6 +77,19 @@ _OPTION_DECLS = {
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
     "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),
     "seed": (int, typer.Option("-s", "--seed", help="RNG seed for sampling.", rich_help_panel=PANEL_SAMPLING)),
+    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(POLICIES)}.", rich_help_panel=PANEL_KV)),
+    "budget": (int, typer.Option("--budget", help="KV budget B of the evicting policies (tokens).",
+                                 rich_help_panel=PANEL_KV)),
+    "window": (Optional[int], typer.Option("--window", help="Recent window w (tokens; default: the policy's own).",
+                                           rich_help_panel=PANEL_KV)),
+    "topk_per_head": (int, typer.Option("--topk-per-head", help="zoomr: summaries each layer/head votes for (k).",
+                                        rich_help_panel=PANEL_KV)),
+    "consensus": (int, typer.Option("--consensus", help="zoomr: most-voted summaries zoomed in (c).",
+                                    rich_help_panel=PANEL_KV)),
+    "sink": (int, typer.Option("--sink", help="streaming: attention-sink tokens kept at the start.",
+                               rich_help_panel=PANEL_KV)),
+    "summaries": (str, typer.Option("--summaries", help="zoomr/sumr segments: model (delimiters the model "
+                                    "writes), prompted, auto (paragraphs when none appear).", rich_help_panel=PANEL_KV)),
 }
 
 
