@@ -23,6 +23,9 @@ class LlamaCppTokenizer:
     def __init__(self, path: Path, llama=None):
         import llama_cpp
 
+        from .llama_log import silence_llama_logs
+
+        silence_llama_logs()
         if llama is None:
             try:
                 llama = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)

@@ -48,11 +48,16 @@ def bench_llamacpp(path, ids: list[int], n_decode: int, threads: int) -> dict:
     t = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - t
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+    tok = int(np.argmax(last_logits()))
     t = time.perf_counter()
     for _ in range(n_decode):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
     decode_s = time.perf_counter() - t
     import os
     return {"engine": "llama.cpp", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,

@@ -9,6 +9,22 @@ import typer
 
 from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, UserError, fail
 
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """``name`` from click and from typer's vendored copy of click (typer >= 0.2x raises the latter)."""
+    found = [getattr(click.exceptions, name)]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    if vendored is not None and hasattr(vendored, name):
+        found.append(getattr(vendored, name))
+    return tuple(found)
+
+
+_ABORT = _click_classes("Abort")
+_CLICK_ERROR = _click_classes("ClickException")
+
 app = typer.Typer(
     name="zoomr",
     help="Long reasoning under a fixed KV-cache budget: solve, chat and benchmark KV policies.",
@@ -33,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     _register()
     try:
-        rv = app(args=argv, standalone_mode=False)
-    except click.exceptions.Abort:
+        rv = app(args=argv, prog_name="zoomr", standalone_mode=False)
+    except _ABORT:
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except click.ClickException as e:
+    except _CLICK_ERROR as e:
         e.show()
         return e.exit_code
     except KeyboardInterrupt:

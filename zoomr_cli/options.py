@@ -71,7 +71,7 @@ _OPTION_DECLS = {
                                        "(-1 all); torch: 0 forces the CPU.", rich_help_panel=PANEL_MODEL)),
     "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
                                  rich_help_panel=PANEL_MODEL)),
-    "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, "
+    "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16), fp32, "
                                 "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
     "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),

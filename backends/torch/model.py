@@ -72,6 +72,7 @@ class Decoder:
         inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                               torch.from_numpy(freq) if freq is not None else None)
         self.rope = RotaryTable(inv, device, torch.float32, n=min(cfg.max_ctx, 8192))
+        self._upcast_gemm = device.type == "cpu" and dtype != torch.float32
         self._split = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
 
     def weight_bytes(self) -> int:
@@ -82,6 +83,13 @@ class Decoder:
                 seen.add(id(w))
                 total += w.numel() * w.element_size()
         return total
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        # CPUs without bf16 arithmetic run bf16 GEMMs ~4x slower than fp32, while a one-row decode GEMV is
+        # memory-bound and gains from bf16's half-size weights: upcast only for many-row (prefill) GEMMs.
+        if self._upcast_gemm and x.shape[0] > 8:
+            return F.linear(x.float(), w.float(), None if b is None else b.float()).to(self.dtype)
+        return F.linear(x, w, b)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -108,7 +116,7 @@ class Decoder:
         cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.attn_norm)
-            qkv = F.linear(h, L.wqkv, L.bqkv)
+            qkv = self._linear(h, L.wqkv, L.bqkv)
             q, k, v = qkv.split(self._split, dim=-1)
             q = apply_rotary(q.view(T, H, d).transpose(0, 1), cos, sin)
             k = apply_rotary(k.view(T, Hkv, d).transpose(0, 1), cos, sin)
@@ -121,11 +129,11 @@ class Decoder:
                 mask = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(diagonal=N - T)
             o = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
                                                attn_mask=mask, enable_gqa=H != Hkv)
-            x = x + F.linear(o[0].transpose(0, 1).reshape(T, H * d), L.wo)
+            x = x + self._linear(o[0].transpose(0, 1).reshape(T, H * d), L.wo)
             h = self._rms(x, L.mlp_norm)
-            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down)
+            gate, up = self._linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, L.w_down)
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(self._rms(x, self.norm), self.lm_head).float()
+        logits = self._linear(self._rms(x, self.norm), self.lm_head).float()
         return logits if all_logits else logits[0]
