@@ -86,3 +86,24 @@ def test_help_lists_commands_and_llamacpp_flags():
     r = zoomr("solve", "--help")
     for flag in ("-m", "-c", "-n", "-t", "-s", "--temp", "--top-k", "--top-p", "-p", "-f", "-ngl", "--json"):
         assert flag in r.stdout
+
+
+def test_ctrl_c_keeps_partial_result(tmp_path):
+    """SIGINT mid-generation: exit 130, the text so far printed and written to --json."""
+    import signal
+    import time
+
+    out = tmp_path / "partial.json"
+    p = subprocess.Popen(zoomr_cmd() + ["solve", "examples/problem.txt", "-n", "2000", "--no-live", "--json", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    # wait until tokens stream, then interrupt
+    first = p.stdout.read(40)
+    assert first
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    rec = json.loads(out.read_text())
+    assert rec["stop_reason"] == "interrupted" and 0 < rec["tokens_generated"] < 2000
+    assert rec["text"].startswith(first.strip()[:10])

@@ -62,19 +62,20 @@ class ChatSession:
         Raises:
             ValueError: the conversation no longer fits ``-c`` (use /reset).
         """
-        ids = self._new_tokens(user_text)
-        if len(self.seq.tokens) + len(ids) >= self.backend.n_ctx:
-            self.messages.pop()
-            raise ValueError(f"context full ({len(self.seq.tokens)} + {len(ids)} tokens ≥ -c "
-                             f"{self.backend.n_ctx}): /reset to start over")
         gen = GenerationStats()
         try:
+            ids = self._new_tokens(user_text)
+            if len(self.seq.tokens) + len(ids) >= self.backend.n_ctx:
+                self.messages.pop()
+                raise ValueError(f"context full ({len(self.seq.tokens)} + {len(ids)} tokens ≥ -c "
+                                 f"{self.backend.n_ctx}): /reset to start over")
             for delta in generate(self.backend, self.seq, ids, self.sampler, self.n_predict, gen):
                 out.token(delta)
         except KeyboardInterrupt:
             gen.stop_reason = "interrupted"
         finally:
-            self.messages.append({"role": "assistant", "content": gen.text})
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.append({"role": "assistant", "content": gen.text})
             self.last = gen
         out.token("\n")
         return gen
@@ -102,31 +103,35 @@ def chat(
     session = ChatSession(backend, sampler, opts.n_predict, system)
     while True:
         try:
-            line = input("> ")
+            if not _handle(input("> ").strip(), session, out):
+                return 0
         except EOFError:
             out.token("\n")
             return 0
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # at the prompt, or between an answer's end and the next prompt
             out.token("\n")
             out.info("(Ctrl-D or /exit to quit)")
-            continue
-        line = line.strip()
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            return 0
-        if line == "/stats":
-            out.result("stats", session.stats(), style="dim")
-        elif line == "/reset":
-            session.reset()
-            out.info("conversation reset")
-        elif line.startswith("/"):
-            out.info(f"unknown command {line.split()[0]}; {HELP}")
-        else:
-            try:
-                session.ask(line, out)
-            except ValueError as e:
-                out.info(f"error: {e}")
+
+
+def _handle(line: str, session: ChatSession, out: Output) -> bool:
+    """Run one REPL line; False means exit."""
+    if not line:
+        return True
+    if line in ("/exit", "/quit"):
+        return False
+    if line == "/stats":
+        out.result("stats", session.stats(), style="dim")
+    elif line == "/reset":
+        session.reset()
+        out.info("conversation reset")
+    elif line.startswith("/"):
+        out.info(f"unknown command {line.split()[0]}; {HELP}")
+    else:
+        try:
+            session.ask(line, out)
+        except ValueError as e:
+            out.info(f"error: {e}")
+    return True
 
 
 chat_command = model_options(n_predict=256)(chat)

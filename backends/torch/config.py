@@ -74,6 +74,12 @@ class ModelConfig:
         arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(model_type)
         if arch is None:
             raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2)")
+        # transformers >= 5 writes "rope_parameters" (theta inside); older configs "rope_theta" + "rope_scaling"
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
+            scaling = None
         try:
             hidden = int(cfg["hidden_size"])
             n_heads = int(cfg["num_attention_heads"])
@@ -86,8 +92,8 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // n_heads),
                 ffn=int(cfg["intermediate_size"]),
                 vocab=int(cfg["vocab_size"]),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_theta=float(theta),
+                rope_scaling=scaling,
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 max_ctx=int(cfg.get("max_position_embeddings", 4096)),
