@@ -60,7 +60,8 @@ def resolve_model(spec: str | None) -> ModelSource:
     """Turn a ``-m`` value into a :class:`ModelSource`.
 
     Args:
-        spec: None or "default"/"smollm2-135m" for the embedded model; a ``.gguf`` path; a directory
+        spec: None or "default"/"smollm2-135m" for the embedded model; an alias from
+            ``configs/models.toml``; a ``.gguf`` path; a directory
             with ``config.json``; or a hub id ``owner/name`` (downloaded once, then used offline).
     Raises:
         ModelNotFound: missing path, a directory without config.json, or a hub id that is neither
@@ -68,6 +69,11 @@ def resolve_model(spec: str | None) -> ModelSource:
     """
     if spec in (None, "", "default", EMBEDDED_NAME):
         return ModelSource("gguf", embedded_gguf(), EMBEDDED_NAME)
+    from configs import model_alias
+
+    alias = model_alias(spec)
+    if alias is not None:
+        spec = alias
     p = Path(spec).expanduser()
     if p.is_file():
         return ModelSource("gguf", p, p.name)
