@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
+
 from .base import Backend, Sequence, Tokenizer
 from .sampling import Sampler
 
@@ -36,6 +38,21 @@ class StreamDecoder:
 
 
 @dataclass
+class TokenOut:
+    """One generated token.
+
+    Attributes:
+        token: the sampled id.
+        text: the text this token completes (may be empty mid UTF-8 character).
+        logits: float32 [vocab], the distribution ``token`` was sampled from (for entropy signals).
+    """
+
+    token: int
+    text: str
+    logits: np.ndarray
+
+
+@dataclass
 class GenerationStats:
     """What one generation did, in tokens and seconds.
 
@@ -57,6 +74,7 @@ class GenerationStats:
     stop_reason: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    next_logits: np.ndarray | None = None  # [vocab]: the sequence's next-token logits when generation ended
 
     @property
     def prefill_tok_s(self) -> float:
@@ -70,8 +88,9 @@ class GenerationStats:
 
 
 def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sampler, n_predict: int,
-             stats: GenerationStats, stop: tuple[str, ...] = ()) -> Iterator[str]:
-    """Prefill ``prompt_ids`` into ``seq``, then sample up to ``n_predict`` tokens, yielding text deltas.
+             stats: GenerationStats, stop: tuple[str, ...] = (), logits: np.ndarray | None = None
+             ) -> Iterator[TokenOut]:
+    """Prefill ``prompt_ids`` into ``seq``, then sample up to ``n_predict`` tokens, yielding each one.
 
     ``stats`` is filled in as generation proceeds, so a caller interrupted (Ctrl-C) mid-way still
     holds everything computed so far; the caller sets ``stop_reason = "interrupted"`` then.
@@ -79,16 +98,21 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
 
     Args:
         backend, seq: where to run.
-        prompt_ids: tokens to prefill (≥ 1).
+        prompt_ids: tokens to prefill; may be empty when ``logits`` (the [vocab] next-token logits of
+            ``seq`` as it stands, e.g. a fork of a committed state) are given instead.
         n_predict: most tokens to generate (tokens); < 0 means until EOS or the context is full.
         stop: strings that end generation when the text so far ends with one of them.
     Raises:
-        ValueError: the prompt does not fit the context.
+        ValueError: the prompt does not fit the context, or neither prompt_ids nor logits given.
     """
-    t0 = time.perf_counter()
-    logits = backend.prefill(seq, prompt_ids)
-    stats.prefill_s = time.perf_counter() - t0
-    stats.prompt_tokens = len(prompt_ids)
+    if prompt_ids:
+        t0 = time.perf_counter()
+        logits = backend.prefill(seq, prompt_ids)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.prompt_tokens = len(prompt_ids)
+    elif logits is None:
+        raise ValueError("generate needs prompt tokens or the sequence's next-token logits")
+    stats.next_logits = logits
     detok = StreamDecoder(backend.tokenizer)
     eos = backend.tokenizer.eos_ids
     limit = n_predict if n_predict >= 0 else 1 << 62
@@ -101,7 +125,7 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
         stats.token_ids.append(token)
         delta = detok.push(token)
         stats.text += delta
-        yield delta
+        yield TokenOut(token, delta, logits)
         if len(seq.tokens) >= backend.n_ctx:
             stats.stop_reason = "context"
             return
@@ -110,6 +134,7 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
         logits = backend.decode(seq, token)
         stats.decode_s += time.perf_counter() - t
         stats.decode_steps += 1
+        stats.next_logits = logits
         if stop and any(stats.text.endswith(s) for s in stop):
             stats.stop_reason = "stop"
             return

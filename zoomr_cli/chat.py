@@ -69,8 +69,8 @@ class ChatSession:
                 self.messages.pop()
                 raise ValueError(f"context full ({len(self.seq.tokens)} + {len(ids)} tokens ≥ -c "
                                  f"{self.backend.n_ctx}): /reset to start over")
-            for delta in generate(self.backend, self.seq, ids, self.sampler, self.n_predict, gen):
-                out.token(delta)
+            for tok in generate(self.backend, self.seq, ids, self.sampler, self.n_predict, gen):
+                out.token(tok.text)
         except KeyboardInterrupt:
             gen.stop_reason = "interrupted"
         finally:
