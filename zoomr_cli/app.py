@@ -35,11 +35,13 @@ app = typer.Typer(
 
 
 def _register() -> None:
+    from .bench import bench_command
     from .chat import chat_command
     from .solve import solve_command
 
     app.command("solve")(solve_command)
     app.command("chat")(chat_command)
+    app.command("bench")(bench_command)
 
 
 def main(argv: list[str] | None = None) -> int:

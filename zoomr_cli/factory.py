@@ -11,17 +11,50 @@ from .errors import UserError
 from .options import POLICIES, RunOptions
 
 
+def torch_cache_factory(opts: RunOptions):
+    """The torch backend's cache factory for ``opts.policy`` (None = plain full KV on the device).
+
+    Raises:
+        ValueError: bad policy knobs (checked here, before any model loads).
+    """
+    from kvstore.registry import PolicyCacheFactory, PolicySpec
+
+    spec = PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
+                      opts.summaries)
+    spec.build()
+    # full stays the plain on-device cache; every other policy attends through the offloaded store
+    return None if opts.policy == "full" else PolicyCacheFactory(spec)
+
+
 def _torch(opts: RunOptions) -> Backend:
     from backends.torch.engine import TorchBackend
 
-    if opts.policy != "full":
-        raise UserError(f"--policy {opts.policy} is not available on the torch backend yet")
+    factory = torch_cache_factory(opts)
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
     return TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
-                        threads=opts.threads)
+                        threads=opts.threads, cache_factory=factory)
 
 
-BACKENDS: dict[str, Callable[[RunOptions], Backend]] = {"torch": _torch}
+def with_policy(backend: Backend, opts: RunOptions) -> Backend:
+    """A view of a loaded torch backend running ``opts.policy`` (weights shared, nothing reloaded).
+
+    Raises:
+        UserError: the backend is not the torch one (policies are compared there).
+    """
+    if backend.name != "torch":
+        raise UserError("switching KV policies on a loaded model needs --backend torch")
+    return backend.with_cache_factory(torch_cache_factory(opts))
+
+
+def _llamacpp(opts: RunOptions) -> Backend:
+    from backends.llamacpp.engine import LlamaCppBackend
+
+    return LlamaCppBackend(resolve_model(opts.model), n_ctx=opts.ctx_size, threads=opts.threads,
+                           n_gpu_layers=opts.n_gpu_layers, policy=opts.policy, budget=opts.budget,
+                           window=opts.window, sink=opts.sink, summaries=opts.summaries)
+
+
+BACKENDS: dict[str, Callable[[RunOptions], Backend]] = {"torch": _torch, "llamacpp": _llamacpp}
 
 
 def build_backend(opts: RunOptions) -> Backend:

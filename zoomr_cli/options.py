@@ -93,14 +93,17 @@ _OPTION_DECLS = {
 }
 
 
-def model_options(**defaults):
+def model_options(exclude: tuple[str, ...] = (), **defaults):
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
 
-    Keyword arguments override the defaults of :class:`RunOptions` for this command
-    (for example ``n_predict=1024``).
+    Args:
+        exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
+            they keep RunOptions' defaults in ``opts``.
+        defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
     """
     base = {f.name: f.default for f in fields(RunOptions)}
     base.update(defaults)
+    decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
 
     def wrap(fn):
         sig = inspect.signature(fn)
@@ -110,12 +113,13 @@ def model_options(**defaults):
         extra = [
             inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=base[name],
                               annotation=Annotated[typ, opt])
-            for name, (typ, opt) in _OPTION_DECLS.items()
+            for name, (typ, opt) in decls.items()
         ]
 
         @functools.wraps(fn)
         def command(**kwargs):
-            opts = RunOptions(**{name: kwargs.pop(name) for name in _OPTION_DECLS})
+            opts = RunOptions(**{name: kwargs.pop(name) for name in decls}, **{
+                name: base[name] for name in exclude})
             return fn(opts=opts, **kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra

@@ -11,13 +11,17 @@ import typer
 from backends.chat_template import prompt_ids, render_chat
 from backends.generation import GenerationStats, generate
 from backends.sampling import Sampler
+from kvstore.events import kv_events
 
 from .errors import UserError
 from .factory import build_backend
 from .grading import extract_answer
 from .inputs import check_writable, read_text_input
+from .kv_display import attach_live_events, policy_line, system_with_summaries
 from .options import RunOptions, model_options
 from .render import Output, stats_line
+from .rescue_cli import run_rescue
+from .rescue_options import RescueOptions, rescue_options
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -37,6 +41,7 @@ def solve(
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output for pipes.")] = False,
     *,
     opts: RunOptions,
+    rescue: RescueOptions,
 ) -> int:
     """Solve one problem: stream the reasoning, print the \\boxed{} answer and KV/speed statistics."""
     sources = [s for s in (file, prompt_file) if s is not None]
@@ -47,23 +52,27 @@ def solve(
     problem = prompt.strip() if prompt is not None else read_text_input(sources[0])
     if not problem:
         raise UserError("-p: the problem text is empty")
-    sampler = Sampler(opts.sampling(default_temp=0.0))
     check_writable(json_path)
     out = Output(live=not no_live)
+    if rescue.rescue:  # KV-Rescue lives in rescue_cli.py; plain solve continues below
+        return run_rescue(problem, system, json_path, out, opts, rescue)
+    sampler = Sampler(opts.sampling(default_temp=0.0))
 
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())
+    system = system_with_summaries(system, opts.policy, opts.summaries)
     ids = prompt_ids(backend.tokenizer, render_chat(backend.tokenizer, solve_messages(problem, system)))
     if len(ids) >= backend.n_ctx:
         raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
 
     seq = backend.new_sequence()
+    attach_live_events(kv_events(backend), out)
     gen = GenerationStats()
     code = 0
     try:
-        for delta in generate(backend, seq, ids, sampler, opts.n_predict, gen):
-            out.token(delta)
+        for tok in generate(backend, seq, ids, sampler, opts.n_predict, gen):
+            out.token(tok.text)
     except KeyboardInterrupt:
         gen.stop_reason = "interrupted"
         code = 130
@@ -72,6 +81,8 @@ def solve(
     kv = backend.kv_stats(seq)
     out.result("answer", answer if answer is not None else "(none found)")
     out.result("stats", stats_line(gen, kv), style="dim")
+    if policy_line(kv):
+        out.result("kv", policy_line(kv), style="dim")
     if json_path:
         record = {
             "problem": problem,
@@ -93,4 +104,4 @@ def solve(
     return code
 
 
-solve_command = model_options(n_predict=512)(solve)
+solve_command = model_options(n_predict=512, top_k=20)(rescue_options(solve))

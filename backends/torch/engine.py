@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -63,6 +64,11 @@ class TorchSequence:
 CacheFactory = Callable[["TorchBackend"], KVCache]
 
 
+def _full_cache(backend: "TorchBackend") -> KVCache:
+    return FullKVCache(backend.cfg.n_layers, backend.cfg.n_kv_heads, backend.cfg.head_dim, backend.device,
+                       backend.dtype)
+
+
 class TorchBackend:
     """Our own decoder on CUDA or CPU, with any :class:`kvstore.base.KVCache` per sequence.
 
@@ -101,9 +107,16 @@ class TorchBackend:
         self.model = Decoder(cfg, tensors, self.device, self.dtype)
         del tensors
         self.n_ctx = n_ctx
-        self.cache_factory = cache_factory or (lambda b: FullKVCache(
-            b.cfg.n_layers, b.cfg.n_kv_heads, b.cfg.head_dim, b.device, b.dtype))
+        self.cache_factory = cache_factory or _full_cache
         self.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+
+    def with_cache_factory(self, cache_factory: CacheFactory | None) -> "TorchBackend":
+        """A view of this backend sharing weights and tokenizer whose new sequences use ``cache_factory``
+        (None = full KV). Lets ``zoomr bench`` compare policies without reloading the model."""
+        view = copy.copy(self)
+        view.cache_factory = cache_factory or _full_cache
+        view.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+        return view
 
     def describe(self) -> str:
         """One line: model, backend, device, dtype, policy."""

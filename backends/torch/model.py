@@ -97,7 +97,7 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, return_hidden: bool = False) -> torch.Tensor:
         """Run T tokens through the model, appending their K/V to ``cache``.
 
         Args:
@@ -105,8 +105,10 @@ class Decoder:
             positions: [T] int64 absolute positions (RoPE).
             cache: the sequence's KV cache; ``cache.update`` returns the keys/values to attend.
             all_logits: return logits for all T positions instead of the last one.
+            return_hidden: return the final-norm hidden states instead of logits (for other heads,
+                e.g. a process reward model's score head).
         Returns:
-            float32 logits, [vocab] or [T, vocab].
+            float32 logits, [vocab] or [T, vocab]; with ``return_hidden``, [hidden] or [T, hidden].
         """
         cfg = self.cfg
         T = ids.shape[0]
@@ -135,5 +137,6 @@ class Decoder:
             x = x + self._linear(F.silu(gate) * up, L.w_down)
         if not all_logits:
             x = x[-1:]
-        logits = self._linear(self._rms(x, self.norm), self.lm_head).float()
-        return logits if all_logits else logits[0]
+        h = self._rms(x, self.norm)
+        out = (h if return_hidden else self._linear(h, self.lm_head)).float()
+        return out if all_logits else out[0]

@@ -1,0 +1,214 @@
+"""KV policies the llama.cpp backend can run, expressed as cell eviction.
+
+llama.cpp exposes no attention scores, queries or keys through its memory API, only sequence
+operations on KV cells (``seq_rm``, ``seq_cp``, ``seq_add``). So this backend offers the policies
+that need nothing else: ``full`` (no eviction), ``streaming`` (attention sinks + recent tokens,
+StreamingLLM) and ``sumr`` (prompt + summaries + recent tokens, ZoomR's SumR ablation; see
+:mod:`backends.llamacpp.sumr`). Policies that rank tokens by attention (h2o, snapkv, rkv) or by
+query·mean-key votes (zoomr) run on the torch backend; asking for them here is a ``ValueError``
+naming what is supported.
+
+A policy answers, for one sequence, which positions go and when. Positions are *absolute* (the
+index of a token in everything the sequence ever wrote), so a policy never sees the engine's
+position shifts. Evicted cells are gone for good (llama.cpp keeps no host copy), so a policy must
+never drop a position it may want back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from kvstore.events import EventBus
+
+SUPPORTED = ("full", "streaming", "sumr")
+NEEDS_TORCH = {
+    "h2o": "accumulated attention scores",
+    "snapkv": "attention of an observation window",
+    "rkv": "attention scores and key similarity",
+    "zoomr": "queries and mean summary keys per layer and head",
+}
+
+
+class CellPolicy(Protocol):
+    """Eviction policy of one llama.cpp sequence.
+
+    Attributes:
+        name: policy name as ``--policy`` spells it.
+        cap: most KV cells the sequence may hold at any moment (tokens); the engine never lets
+            llama.cpp write more, chunking a long prefill if needed.
+        evicts: False when the policy never removes anything (the engine then refuses a forward
+            that would not fit before running any of it).
+        wants_text: True when :meth:`observe` needs the text of the tokens (detokenizing costs time).
+    """
+
+    name: str
+    cap: int
+    evicts: bool
+    wants_text: bool
+
+    def observe(self, start: int, ids: list[int], text: str) -> bool:
+        """Record that absolute positions ``[start, start + len(ids))`` now hold ``ids`` (text ``text``,
+        or "" when not wanted). Called once per prefill/decode call; True asks the engine to evict now."""
+        ...
+
+    def evict(self, resident: list[int]) -> list[tuple[int, int]]:
+        """Positions to remove now, as disjoint half-open absolute ranges ``[p0, p1)``.
+
+        Called when :meth:`observe` asked for it, or when the sequence holds ``cap`` cells and needs
+        room. ``resident`` is the sorted list of absolute positions it holds. ``[]`` means
+        "nothing may go" (at the cap, the engine then reports a full context).
+        """
+        ...
+
+    def fork(self) -> "CellPolicy":
+        """The policy state for a forked sequence (independent from here on)."""
+        ...
+
+    def describe(self) -> str:
+        """Short text with the policy's parameters, for ``describe()``."""
+        ...
+
+    def stats(self) -> dict:
+        """Policy counters for ``KVStats.extra`` (may be empty)."""
+        ...
+
+
+@dataclass(frozen=True)
+class FullPolicy:
+    """No eviction: the sequence holds up to ``cap`` = ``-c`` cells, then the context is full."""
+
+    cap: int
+    name: str = "full"
+    evicts: bool = False
+    wants_text: bool = False
+
+    def observe(self, start: int, ids: list[int], text: str) -> bool:
+        """Nothing to record."""
+        return False
+
+    def evict(self, resident: list[int]) -> list[tuple[int, int]]:
+        """Nothing is ever evicted."""
+        return []
+
+    def fork(self) -> "FullPolicy":
+        """Stateless: the same object."""
+        return self
+
+    def describe(self) -> str:
+        """``full``."""
+        return "full"
+
+    def stats(self) -> dict:
+        """No counters."""
+        return {}
+
+
+@dataclass(frozen=True)
+class StreamingPolicy:
+    """StreamingLLM: keep the ``sink`` first tokens and the ``window`` most recent ones.
+
+    ``--budget``, ``--sink`` and ``--window`` mean what they mean on the torch backend
+    (``kvstore.streaming``): ``window`` defaults to ``budget - sink`` and ``sink + window ≤ budget``.
+    Eviction runs in bursts: the sequence grows to ``sink + window + buffer`` cells, then drops back
+    to ``sink + window`` in one ``seq_rm`` + ``seq_add``. Each shift makes llama.cpp re-rotate the
+    cached keys, which costs about a quarter of the decode speed when done every token (measured on
+    the embedded model: 31 vs 43 tok/s); a buffer of 16 pays it once per 16 tokens (45 tok/s). The
+    R-KV pattern (compress every w tokens, cache between B and B + w). Attention at every step sees
+    between ``sink + window + 1`` and ``sink + window + buffer`` cells.
+
+    Args:
+        budget: B (tokens), ≥ 1.
+        sink: attention-sink tokens kept at the start (tokens), ≥ 0; StreamingLLM uses 4.
+        window: recent tokens kept (tokens), ≥ 1.
+        buffer: tokens admitted before the next eviction (tokens), ≥ 1.
+    """
+
+    budget: int
+    sink: int
+    window: int
+    buffer: int
+    name: str = "streaming"
+    evicts: bool = True
+    wants_text: bool = False
+
+    @property
+    def cap(self) -> int:
+        """sink + window + buffer (tokens)."""
+        return self.sink + self.window + self.buffer
+
+    def observe(self, start: int, ids: list[int], text: str) -> bool:
+        """Eviction waits for the cap."""
+        return False
+
+    def evict(self, resident: list[int]) -> list[tuple[int, int]]:
+        """Everything between the sinks and the ``window`` most recent positions."""
+        if len(resident) <= self.sink + self.window:
+            return []
+        return [(resident[self.sink], resident[len(resident) - self.window])]
+
+    def fork(self) -> "StreamingPolicy":
+        """Stateless: the same object."""
+        return self
+
+    def describe(self) -> str:
+        """``streaming(B=…, sink=…, window=…, buffer=…)``."""
+        return f"streaming(B={self.budget}, sink={self.sink}, window={self.window}, buffer={self.buffer})"
+
+    def stats(self) -> dict:
+        """No counters beyond the engine's eviction counts."""
+        return {}
+
+
+STREAMING_BUFFER = 16  # tokens between evictions, see StreamingPolicy
+
+
+def _streaming(n_ctx: int, budget: int, window: int | None, sink: int, buffer: int) -> StreamingPolicy:
+    if budget < 1:
+        raise ValueError(f"--budget must be at least 1 token, got {budget}")
+    if sink < 0:
+        raise ValueError(f"--sink must be >= 0, got {sink}")
+    window = budget - sink if window is None else window
+    if window < 1:
+        raise ValueError(f"streaming: --budget {budget} leaves no recent window after --sink {sink}")
+    if sink + window > budget:
+        raise ValueError(f"streaming: --budget {budget} is smaller than --sink {sink} + --window {window}")
+    if buffer < 1:
+        raise ValueError(f"streaming: the eviction buffer must be at least 1 token, got {buffer}")
+    if sink + window + buffer > n_ctx:
+        raise ValueError(f"streaming: --sink {sink} + --window {window} + {buffer} buffered tokens exceed -c {n_ctx}")
+    return StreamingPolicy(budget, sink, window, buffer)
+
+
+def make_policy(name: str, n_ctx: int, budget: int = 64, window: int | None = None, sink: int = 4,
+                summaries: str = "auto", buffer: int = STREAMING_BUFFER,
+                events: EventBus | None = None) -> Callable[[], CellPolicy]:
+    """A factory of per-sequence policies for ``--policy name``.
+
+    Args:
+        name: policy name.
+        n_ctx: most cells a sequence may hold (``-c``, tokens); an evicting policy must fit in it.
+        budget, window, sink, buffer: streaming (tokens); window None → budget - sink.
+        summaries: sumr's segmentation mode (``model``, ``prompted``, ``auto``); window None → 128.
+        events: bus for sumr's recompute events (live display).
+    Raises:
+        ValueError: an unsupported policy (the message names the supported ones and why), or
+            parameters out of range or not fitting ``-c`` (one message each).
+    """
+    if name == "full":
+        full = FullPolicy(n_ctx)
+        return lambda: full
+    if name == "streaming":
+        streaming = _streaming(n_ctx, budget, window, sink, buffer)
+        return lambda: streaming
+    if name == "sumr":
+        from .sumr import SumRCells
+
+        w = SumRCells.DEFAULT_WINDOW if window is None else window
+        SumRCells(n_ctx, w, summaries)  # validate now, before the model loads
+        return lambda: SumRCells(n_ctx, w, summaries, events)
+    why = NEEDS_TORCH.get(name)
+    if why is not None:
+        raise ValueError(f"--policy {name} needs {why}, which llama.cpp does not expose; the llamacpp backend "
+                         f"supports {', '.join(SUPPORTED)} (use --backend torch for {name})")
+    raise ValueError(f"--policy {name!r} unknown (the llamacpp backend supports {', '.join(SUPPORTED)})")

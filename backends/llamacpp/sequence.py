@@ -1,0 +1,79 @@
+"""A zoomr sequence on llama.cpp, and the two memory operations on its cells that zoomr's accounting rides on."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from backends.base import BackendError
+
+from .policies import CellPolicy
+
+
+@dataclass(eq=False)
+class LlamaCppSequence:
+    """A zoomr sequence: one llama.cpp sequence id and what zoomr knows about its cells.
+
+    Attributes:
+        seq_id: llama.cpp sequence id; -1 once freed.
+        policy: its eviction policy state.
+        tokens: ids whose KV the sequence holds; ``tokens[i]`` is at position ``i`` (compact).
+        origin: absolute position of each resident token (index in everything written).
+        n_written: positions ever written (tokens).
+        peak: most cells held at once, zoomr's accounting (tokens).
+        peak_cells_llama: most cells held at once as llama.cpp reports them (pos_max - pos_min + 1).
+        evictions, evicted_tokens: eviction bursts and tokens removed by them.
+        active_sum, forwards: cells attended summed over prefill/decode calls, and those calls
+            (for the mean active size).
+    """
+
+    seq_id: int
+    policy: CellPolicy
+    tokens: list[int] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
+    n_written: int = 0
+    peak: int = 0
+    peak_cells_llama: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    active_sum: int = 0
+    forwards: int = 0
+
+
+def cells_held(mem, seq_id: int) -> int:
+    """KV cells llama.cpp holds for ``seq_id``: ``pos_max - pos_min + 1`` (llama.h guarantees every
+    position in between is present), 0 when empty."""
+    import llama_cpp
+
+    hi = llama_cpp.llama_memory_seq_pos_max(mem, seq_id)
+    return 0 if hi < 0 else hi - llama_cpp.llama_memory_seq_pos_min(mem, seq_id) + 1
+
+
+def remove_positions(mem, seq: LlamaCppSequence, ranges: list[tuple[int, int]]) -> None:
+    """Evict absolute-position ranges of ``seq`` and close the gaps: ``llama_memory_seq_rm`` of each run of
+    cells, then ``llama_memory_seq_add`` of the cells after it by minus its length, last run first so the
+    positions of earlier runs stay valid. Keeps ``seq.tokens[i]`` at position ``i``.
+
+    Args:
+        mem: the context's ``llama_memory_t``.
+        seq: the sequence; its cells must be its own (a stream), since a shift moves a shared cell for
+            every sequence holding it.
+        ranges: disjoint half-open ranges ``[p0, p1)`` of absolute positions; positions not resident are ignored.
+    Raises:
+        BackendError: llama.cpp refused a partial removal (recurrent memory).
+    """
+    import llama_cpp
+
+    spans = []
+    for p0, p1 in ranges:
+        a, b = bisect.bisect_left(seq.origin, p0), bisect.bisect_left(seq.origin, p1)
+        if a < b:
+            spans.append((a, b))
+    for a, b in sorted(spans, reverse=True):
+        if not llama_cpp.llama_memory_seq_rm(mem, seq.seq_id, a, b):
+            raise BackendError(f"llama.cpp refused to remove positions [{a}, {b}) of sequence {seq.seq_id}")
+        llama_cpp.llama_memory_seq_add(mem, seq.seq_id, b, -1, a - b)
+        del seq.tokens[a:b], seq.origin[a:b]
+        seq.evicted_tokens += b - a
+    if spans:
+        seq.evictions += 1

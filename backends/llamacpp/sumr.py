@@ -1,0 +1,113 @@
+"""``sumr`` on llama.cpp: ZoomR's summaries-only ablation as segment-level cell eviction.
+
+Source: ZoomR paper §4 (SumR "retains only the summary tokens and does not perform any detailed
+token retrieval") and §3.3–3.4 (prompt kept whole, recent window, recompute at semantic
+boundaries). Segments come from the backend-neutral tracker :mod:`kvstore.segments` (delimited
+summaries, or paragraph segments with an extractive stand-in when the model writes none).
+
+Differences from the torch backend's SumR (``kvstore.sumr``), all forced by llama.cpp keeping no
+copy of an evicted cell:
+- The segment still being written is never evicted (its summary is not known yet), so it stays
+  attended; the torch policy hides its older part until it closes.
+- A selection only shrinks: a closed segment's regular tokens go at the first boundary after it
+  closes and never return, which is exactly SumR (it never zooms in) and why ZoomR itself is not
+  offered here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from kvstore.events import EventBus, RecomputeEvent
+from kvstore.segments import SegmentTracker, ends_at_boundary
+
+
+class SumRCells:
+    """Prompt + the summary S_i of every closed segment + the ``window`` most recent generated tokens.
+
+    The first :meth:`observe` of a sequence is its prompt. Later ones feed the segment tracker; when
+    the text so far ends at a semantic boundary the engine evicts every resident position outside the
+    selection (one ``seq_rm`` + ``seq_add`` per evicted run). At the cap (``-c``) it evicts the same
+    way, or reports a full context when nothing is evictable.
+
+    Args:
+        n_ctx: ``-c``, the most cells the sequence may hold (tokens).
+        window: w, recent generated tokens always kept (tokens, 1 ≤ w < n_ctx); also the longest
+            paragraph segment, as on the torch backend.
+        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`kvstore.segments`).
+        events: where a :class:`RecomputeEvent` goes at every recompute (live display), or None.
+    Raises:
+        ValueError: window out of range or an unknown summaries mode.
+    """
+
+    DEFAULT_WINDOW = 128  # as kvstore.registry (sumr/zoomr)
+    name = "sumr"
+    evicts = True
+    wants_text = True
+
+    def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None):
+        if not 1 <= window < n_ctx:
+            raise ValueError(f"sumr: --window must be between 1 and -c {n_ctx} - 1 tokens, got {window}")
+        self.cap = n_ctx
+        self.window = window
+        self.tracker = SegmentTracker(summaries, max_segment=window)
+        self.events = events
+        self.n_prompt: int | None = None
+        self.end = 0
+        self.recomputes = 0
+        self._tail = ""
+
+    def observe(self, start: int, ids: list[int], text: str) -> bool:
+        """Record a forward; True (evict now) when the text ends at a semantic boundary."""
+        self.end = start + len(ids)
+        if self.n_prompt is None:
+            self.n_prompt = self.end
+            return False
+        self.tracker.push(start, text, len(ids))
+        self._tail = (self._tail + text)[-8:]
+        return ends_at_boundary(self._tail)
+
+    def _kept(self, p: int, summaries: set[int], recent: int) -> bool:
+        return p < self.n_prompt or p >= recent or p in summaries
+
+    def evict(self, resident: list[int]) -> list[tuple[int, int]]:
+        """Runs of resident positions outside prompt ∪ summaries ∪ recent window ∪ open segment."""
+        if self.n_prompt is None:
+            return []
+        segs = self.tracker.segments
+        summaries = {p for s in segs for p in s.summary}
+        open_start = self.tracker.open_start
+        recent = max(self.n_prompt, self.end - self.window)
+        if open_start is not None:
+            recent = min(recent, open_start)
+        runs, start, kept = [], None, 0
+        for p in resident:
+            if self._kept(p, summaries, recent):
+                kept += 1
+                if start is not None:
+                    runs.append((start, p))
+                    start = None
+            elif start is None:
+                start = p
+        if start is not None:
+            runs.append((start, resident[-1] + 1))
+        self.recomputes += 1
+        if self.events is not None:
+            self.events.emit(RecomputeEvent(self.name, self.end - 1, [], list(range(len(segs))), {}, None, kept,
+                                            len(segs), self.tracker.mode_ran()))
+        return runs
+
+    def fork(self) -> "SumRCells":
+        """An independent copy (tracker included) reporting to the same event bus."""
+        child = copy.copy(self)
+        child.tracker = copy.deepcopy(self.tracker)
+        return child
+
+    def describe(self) -> str:
+        """``sumr(window=…, summaries=…)``, as on the torch backend."""
+        return f"sumr(window={self.window}, summaries={self.tracker.mode})"
+
+    def stats(self) -> dict:
+        """Recomputes, closed segments, which segmentation ran and which was asked for."""
+        return {"recomputes": self.recomputes, "segments": len(self.tracker.segments),
+                "summaries_mode": self.tracker.mode_ran(), "summaries_option": self.tracker.mode}

@@ -1,0 +1,180 @@
+"""A process reward model (PRM) of the Qwen2.5-Math-PRM architecture on our torch decoder.
+
+Architecture (Qwen2.5-Math-PRM-7B, HF ``Qwen2ForProcessRewardModel``): the Qwen2 decoder body
+(``model.*`` tensors, no ``lm_head``) followed by a score head on the final-norm hidden states,
+Linear(H, H) → ReLU → Linear(H, 2) (tensors ``score.0.*`` and ``score.2.*``).
+
+Input format (the model card's usage, summarized in the KV-Rescue reference): a chat with the system
+message "Please reason step by step, and put your final answer within \\boxed{}.", the question as
+the user turn, and as the assistant turn the reasoning steps, each followed by the step tag
+``<extra_0>``. The reward of a step is softmax(head(h))[1] — P(the step is correct) — at that
+step's tag. KV-Rescue (arXiv:2608.15797, "Implementation details") scores a candidate by the
+reward of its last step, given the question and the committed steps.
+
+Cost: the committed prefix is the same for every candidate of a step, so its KV is computed once
+and forked per candidate (the "shared prefix" the paper batches); only the candidate's tokens run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import torch
+
+from backends.chat_template import prompt_ids, render_chat
+from backends.models import ModelSource
+from backends.tokenizer import HFTokenizer
+from kvstore.base import FullKVCache
+
+from .config import ModelConfig
+from .engine import pick_device, pick_dtype
+from .model import Decoder
+from .weights import ModelLoadError, _check_complete, _load_safetensors_f32
+
+STEP_TAG = "<extra_0>"
+PRM_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+HEAD = ("score.0.weight", "score.0.bias", "score.2.weight", "score.2.bias")
+_CUT = "\x00zoomr-prm-cut\x00"  # marks where the assistant text ends inside the rendered chat
+
+
+def load_prm_dir(source: ModelSource) -> tuple[ModelConfig, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Config, body tensors and score-head tensors of a PRM directory (``config.json`` + safetensors).
+
+    Returns:
+        (config, float32 body tensors under HF names, float32 head tensors under ``score.*`` names).
+    Raises:
+        ModelLoadError: not a HF directory, no/corrupt weights, unsupported body architecture, no
+            score head or a head of the wrong shape.
+    """
+    if source.kind != "hf":
+        raise ModelLoadError(f"{source.path}: a PRM must be a HF model directory or hub id (got a GGUF file)")
+    path = source.path
+    try:
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}/config.json: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            tensors.update(_load_safetensors_f32(f))
+        except Exception as e:
+            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+    missing = [n for n in HEAD if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: not a process reward model (no {missing[0]}: expected the score head "
+                             "Linear(H,H) → ReLU → Linear(H,2) as score.0.* / score.2.*)")
+    head = {n: tensors.pop(n) for n in HEAD}
+    H = cfg.hidden
+    if head["score.0.weight"].shape != (H, H) or head["score.2.weight"].shape != (2, H):
+        raise ModelLoadError(f"{path}: score head shapes {head['score.0.weight'].shape}, "
+                             f"{head['score.2.weight'].shape} do not match hidden size {H} (expected [H,H], [2,H])")
+    # the PRM has no LM head: the body is checked (and later built) as if tied, and logits are never asked for
+    cfg = dataclasses.replace(cfg, tied_embeddings=True)
+    _check_complete(cfg, tensors, str(path))
+    return cfg, tensors, head
+
+
+class ProcessRewardModel:
+    """Qwen2.5-Math-PRM-style step rewards.
+
+    Args:
+        source: HF directory (a hub id resolved by :func:`backends.models.resolve_model`).
+        device, dtype: as for :class:`backends.torch.engine.TorchBackend` (``auto``: CUDA if present, bf16).
+    Raises:
+        ModelLoadError: see :func:`load_prm_dir`; also a tokenizer without a single-token ``<extra_0>``.
+        ValueError: bad device or dtype.
+    """
+
+    def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto"):
+        cfg, tensors, head = load_prm_dir(source)
+        self.source = source
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        try:
+            self.tokenizer = HFTokenizer(source.path)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        tag = self.tokenizer.encode(STEP_TAG)
+        if len(tag) != 1:
+            raise ModelLoadError(f"{source.path}: the tokenizer does not know the step tag {STEP_TAG} as one token")
+        self.tag_id = tag[0]
+        self.cfg = cfg
+        self.model = Decoder(cfg, tensors, self.device, self.dtype)
+        del tensors
+        # the head is tiny (H×H + 2×H): keep it in float32 so the reward is not rounded to bf16
+        self.head = {n: torch.from_numpy(w).to(self.device, torch.float32) for n, w in head.items()}
+        self._prefix_ids: list[int] | None = None
+        self._prefix_cache: FullKVCache | None = None
+
+    def describe(self) -> str:
+        """One line: model, device, dtype."""
+        return f"PRM {self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
+
+    def conversation_text(self, question: str, steps: list[str]) -> str:
+        """The PRM's input text up to and including the last step's tag (the template's closing tokens come
+        later and cannot change the states before them: the model is causal). With no steps: up to the start
+        of the assistant's text."""
+        content = "".join(s.replace(STEP_TAG, "").strip() + STEP_TAG for s in steps)
+        msgs = [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": question},
+                {"role": "assistant", "content": content + _CUT}]
+        text = render_chat(self.tokenizer, msgs, add_generation_prompt=False)
+        return text[:text.index(_CUT)]
+
+    def rewards_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Score head: [N, H] final-norm hidden states → [N] P(positive), float32."""
+        h = torch.relu(hidden.float() @ self.head["score.0.weight"].T + self.head["score.0.bias"])
+        logits = h @ self.head["score.2.weight"].T + self.head["score.2.bias"]
+        return logits.softmax(dim=-1)[:, 1]
+
+    def _new_cache(self) -> FullKVCache:
+        c = self.cfg
+        return FullKVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, self.dtype)
+
+    def _hidden(self, ids: list[int], cache: FullKVCache, all_positions: bool) -> torch.Tensor:
+        start = cache.n_tokens
+        t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
+        h = self.model.forward(t, pos, cache, all_logits=all_positions, return_hidden=True)
+        cache.end_forward(ids, "")
+        return h if all_positions else h[None]
+
+    def step_rewards(self, question: str, steps: list[str]) -> list[float]:
+        """Reward of every step (one full forward over the conversation).
+
+        Raises:
+            ValueError: no steps.
+        """
+        if not steps:
+            raise ValueError("step_rewards needs at least one step")
+        ids = prompt_ids(self.tokenizer, self.conversation_text(question, steps))
+        hidden = self._hidden(ids, self._new_cache(), all_positions=True)
+        at_tags = torch.tensor([i for i, t in enumerate(ids) if t == self.tag_id], device=self.device)
+        return self.rewards_from_hidden(hidden[at_tags]).tolist()
+
+    def last_step_reward(self, question: str, steps: list[str]) -> float:
+        """Reward of ``steps[-1]`` given the question and ``steps[:-1]`` — a KV-Rescue candidate's score.
+
+        The KV of the conversation up to ``steps[:-1]`` is kept between calls, so scoring N candidates
+        of one step runs the shared prefix once.
+
+        Raises:
+            ValueError: no steps.
+        """
+        if not steps:
+            raise ValueError("last_step_reward needs at least one step")
+        prefix = prompt_ids(self.tokenizer, self.conversation_text(question, steps[:-1]))
+        full = prompt_ids(self.tokenizer, self.conversation_text(question, steps))
+        if full[:len(prefix)] != prefix:  # the tokenizer merged across the boundary: no reuse possible
+            return self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()
+        if prefix != self._prefix_ids:
+            self._prefix_cache = self._new_cache()
+            if prefix:
+                self._hidden(prefix, self._prefix_cache, False)
+            self._prefix_ids = prefix
+        cache = self._prefix_cache.fork()
+        return self.rewards_from_hidden(self._hidden(full[len(prefix):], cache, False)).item()

@@ -1,0 +1,284 @@
+"""The device side of an offloaded KV cache: what attention reads, gathered from the host store.
+
+Two shapes of it:
+
+* :class:`ResidentActiveSet` (ZoomR §3.4, with the "move only what changed" refinement of the issue):
+  per layer, the K/V of the selected positions stay on the compute device between steps, new tokens
+  are appended in place, and a new selection moves host → device only the (head, position) pairs
+  that are not resident yet; resident ones are gathered on the device. On CUDA, layer l+1's new
+  selection is applied on a side stream (pinned staging, non-blocking copies, an event) while layer l
+  computes.
+* :class:`StreamedActiveSet`: nothing stays on the device; every step each layer's full KV is copied
+  host → device just before it is attended (layer l+1 prefetched during layer l) and dropped after.
+  This is the "offloaded full KV" baseline the paper measures ZoomR against (§4, Fig. 3a).
+
+Both answer ``attend(layer, k_new, v_new, pos_new) -> (K, V, positions)`` with the new tokens last.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .host_store import HostKVStore
+
+
+class ResidentActiveSet:
+    """Selected K/V resident on the compute device, per layer.
+
+    Args:
+        store: the host store the selections are read from.
+        device, dtype: compute device and dtype.
+
+    Attributes:
+        moved_pairs: (KV head, position) pairs copied host → device by selections so far.
+    """
+
+    def __init__(self, store: HostKVStore, device: torch.device, dtype: torch.dtype):
+        L, self.h, self.d = store.shape
+        self.store, self.device, self.dtype = store, device, dtype
+        self.cuda = device.type == "cuda"
+        self.k: list[torch.Tensor | None] = [None] * L
+        self.v: list[torch.Tensor | None] = [None] * L
+        self.pos_host: list[torch.Tensor | None] = [None] * L   # [Hkv, cap] int64, CPU mirror
+        self.pos_dev: list[torch.Tensor | None] = [None] * L    # same on the device
+        self.n = [0] * L
+        self.pending: list[torch.Tensor | None] = [None] * L    # next selection [Hkv, M], CPU
+        self.moved_pairs = 0
+        self._ready: list[torch.cuda.Event | None] = [None] * L
+        self._staging: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
+        self._staged: list[torch.cuda.Event | None] = [None] * L   # last copy out of the staging buffers
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    # -- selection -------------------------------------------------------------------------------
+    def schedule(self, layer: int, selection: torch.Tensor) -> None:
+        """Attend exactly ``selection`` (+ new tokens) from the next forward of ``layer`` on.
+
+        Args:
+            selection: [Hkv, M] int64 positions, each row sorted ascending and unique, all < the
+                positions written; the same M for every head.
+        """
+        self.pending[layer] = selection.to("cpu", torch.long)
+        self._ready[layer] = None
+
+    def prefetch(self, layer: int) -> None:
+        """CUDA: start applying ``layer``'s pending selection on the side stream (no-op elsewhere)."""
+        if not self.cuda or layer >= len(self.k) or self.pending[layer] is None or self._ready[layer]:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            for t in (self.k[layer], self.v[layer], self.pos_dev[layer]):
+                if t is not None:
+                    t.record_stream(self._stream)   # the old buffers are read here
+            self._apply(layer)
+            for t in (self.k[layer], self.v[layer], self.pos_dev[layer]):
+                t.record_stream(cur)                # the new ones are used on the compute stream
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._ready[layer] = self._staged[layer] = ev
+
+    def _ensure(self, layer: int) -> None:
+        if self.pending[layer] is None:
+            return
+        if self.cuda:
+            self.prefetch(layer)
+            torch.cuda.current_stream(self.device).wait_event(self._ready[layer])
+            self._ready[layer] = None
+        else:
+            self._apply(layer)
+        self.pending[layer] = None
+
+    def _apply(self, layer: int) -> None:
+        # Book-keeping (which selected pairs are resident, and where) runs in numpy on the host: these
+        # are tiny per-row searches that torch would parallelize at a loss. Data moves as one flat
+        # index_select on the device plus one from the host store for the pairs not resident.
+        sel = self.pending[layer].numpy()
+        h, M = sel.shape
+        n = self.n[layer]
+        cap = M + max(64, M // 4)
+        k = torch.empty(h, cap, self.d, device=self.device, dtype=self.dtype)
+        v = torch.empty_like(k)
+        if n:
+            old = self.pos_host[layer][:, :n].numpy()
+            slot = np.stack([np.searchsorted(old[r], sel[r]) for r in range(h)]).clip(max=n - 1)
+            hit = np.take_along_axis(old, slot, 1) == sel
+            old_cap = self.k[layer].shape[1]
+            flat = torch.from_numpy((slot + np.arange(h)[:, None] * old_cap).reshape(-1)).to(self.device)
+            k[:, :M] = self.k[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
+            v[:, :M] = self.v[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
+        else:
+            hit = np.zeros(sel.shape, dtype=bool)
+        heads, cols = np.nonzero(~hit)
+        if heads.size:
+            hk, hv = self.store.gather(layer, torch.from_numpy(heads), torch.from_numpy(sel[heads, cols]),
+                                       *self._stage(layer, heads.size))
+            dst = torch.from_numpy(heads * cap + cols).to(self.device, non_blocking=True)
+            k.view(-1, self.d).index_copy_(0, dst, hk.to(self.device, non_blocking=True))
+            v.view(-1, self.d).index_copy_(0, dst, hv.to(self.device, non_blocking=True))
+            self.moved_pairs += int(heads.size)
+        pos = torch.empty(h, cap, dtype=torch.long)
+        pos[:, :M] = self.pending[layer]
+        self.k[layer], self.v[layer], self.n[layer] = k, v, M
+        self.pos_host[layer] = pos
+        self.pos_dev[layer] = pos if not self.cuda else pos.to(self.device, non_blocking=True)
+
+    def _stage(self, layer: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Pinned host buffers for ``m`` gathered rows (CUDA), so the H2D copy is truly asynchronous."""
+        if not self.cuda:
+            return None, None
+        if self._staged[layer] is not None:
+            self._staged[layer].synchronize()   # the previous copy out of these buffers must be done
+        st = self._staging[layer]
+        if st is None or st[0].shape[0] < m:
+            rows = max(m, 2 * (st[0].shape[0] if st else 0), 256)
+            st = tuple(torch.empty(rows, self.d, dtype=self.dtype, pin_memory=True) for _ in range(2))
+            self._staging[layer] = st
+        return st[0][:m], st[1][:m]
+
+    # -- attention -------------------------------------------------------------------------------
+    def attend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Apply ``layer``'s pending selection, append the T new tokens, return what attention reads.
+
+        Args:
+            k_new, v_new: [Hkv, T, d] on the device.
+            pos_new: [T] int64 positions of the new tokens (CPU).
+        Returns:
+            (K, V, positions): [Hkv, N, d], [Hkv, N, d], [Hkv, N] int64 on the device; the last T
+            entries are the new tokens.
+        """
+        self._ensure(layer)
+        T = k_new.shape[1]
+        n = self.n[layer]
+        if self.k[layer] is None or n + T > self.k[layer].shape[1]:
+            self._grow(layer, n + T)
+        self.k[layer][:, n:n + T] = k_new
+        self.v[layer][:, n:n + T] = v_new
+        self.pos_host[layer][:, n:n + T] = pos_new
+        if self.cuda:
+            self.pos_dev[layer][:, n:n + T] = pos_new.to(self.device, non_blocking=True)
+        self.n[layer] = n + T
+        self.prefetch(layer + 1)
+        m = n + T
+        return self.k[layer][:, :m], self.v[layer][:, :m], self.pos_dev[layer][:, :m]
+
+    def _grow(self, layer: int, need: int) -> None:
+        cap = 0 if self.k[layer] is None else self.k[layer].shape[1]
+        new_cap = max(need, 2 * cap, 64)
+        n = self.n[layer]
+        k = torch.empty(self.h, new_cap, self.d, device=self.device, dtype=self.dtype)
+        v = torch.empty_like(k)
+        pos = torch.empty(self.h, new_cap, dtype=torch.long)
+        if n:
+            k[:, :n], v[:, :n], pos[:, :n] = self.k[layer][:, :n], self.v[layer][:, :n], self.pos_host[layer][:, :n]
+        self.k[layer], self.v[layer], self.pos_host[layer] = k, v, pos
+        if self.cuda:
+            dev = torch.empty(self.h, new_cap, dtype=torch.long, device=self.device)
+            if n:
+                dev[:, :n] = self.pos_dev[layer][:, :n]
+            self.pos_dev[layer] = dev
+        else:
+            self.pos_dev[layer] = pos
+
+    # -- accounting ------------------------------------------------------------------------------
+    def positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, N] positions resident in ``layer`` now (CPU copy): those attended at its last forward,
+        or the pending selection once it has been applied (fork applies it)."""
+        return self.pos_host[layer][:, :self.n[layer]].clone() if self.pos_host[layer] is not None \
+            else torch.empty(self.h, 0, dtype=torch.long)
+
+    def device_bytes(self) -> int:
+        """Bytes of the device K/V buffers allocated now (capacity, not just the used part)."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k if t is not None)
+
+    def clone(self, store: HostKVStore) -> "ResidentActiveSet":
+        """An independent copy over ``store`` (a clone of this one's store); pending selections kept."""
+        other = ResidentActiveSet(store, self.device, self.dtype)
+        for li in range(len(self.k)):
+            self._ensure(li)
+            n = self.n[li]
+            if self.k[li] is None:
+                continue
+            other.k[li], other.v[li] = self.k[li].clone(), self.v[li].clone()
+            other.pos_host[li] = self.pos_host[li].clone()
+            other.pos_dev[li] = other.pos_host[li] if not self.cuda else self.pos_dev[li].clone()
+            other.n[li] = n
+        other.moved_pairs = self.moved_pairs
+        other._stream = self._stream
+        return other
+
+
+class StreamedActiveSet:
+    """Full KV offloaded: each layer's K/V are copied host → device right before attention, then dropped.
+
+    Only the ``full`` policy fits this shape (it has no selection to apply). On CUDA the next layer's
+    copy is issued on a side stream while the current layer computes (one contiguous block of the
+    pinned store per tensor, so the copy stays asynchronous).
+    """
+
+    def __init__(self, store: HostKVStore, device: torch.device, dtype: torch.dtype):
+        L, self.h, self.d = store.shape
+        self.store, self.device, self.dtype = store, device, dtype
+        self.cuda = device.type == "cuda"
+        self.n = [0] * L
+        self.moved_pairs = 0
+        self._next: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def schedule(self, layer: int, selection: torch.Tensor) -> None:
+        """Raises ValueError: a streamed full cache has no selection to apply."""
+        raise ValueError("the streamed (offloaded full) KV cache attends every position; it takes no selection")
+
+    def prefetch(self, layer: int) -> None:
+        """Start copying ``layer``'s stored K/V to the device (CUDA: on the side stream)."""
+        if layer >= len(self.n) or layer in self._next:
+            return
+        hk, hv = self.store.layer(layer)          # [n, Hkv, d], contiguous (pinned on CUDA)
+        if not self.cuda:
+            self._next[layer] = (hk.transpose(0, 1).clone(), hv.transpose(0, 1).clone(), None)
+            return
+        cur = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            k = hk.to(self.device, non_blocking=True).transpose(0, 1)
+            v = hv.to(self.device, non_blocking=True).transpose(0, 1)
+            k.record_stream(cur)
+            v.record_stream(cur)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._next[layer] = (k, v, ev)
+
+    def attend(self, layer, k_new, v_new, pos_new):
+        """See :meth:`ResidentActiveSet.attend`; the stored part is every position before ``pos_new``."""
+        # the host store already holds this forward's tokens: copy only the positions before them
+        if layer not in self._next:
+            self.prefetch(layer)
+        k, v, ev = self._next.pop(layer)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        T = k_new.shape[1]
+        old = int(pos_new[0])
+        self.moved_pairs += self.h * old
+        K = torch.cat([k[:, :old], k_new], dim=1)
+        V = torch.cat([v[:, :old], v_new], dim=1)
+        self.n[layer] = old + T
+        if self.cuda:
+            self.prefetch(layer + 1)
+        pos = torch.arange(old + T, device=self.device).expand(self.h, -1)
+        return K, V, pos
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, N] positions attended at ``layer``'s last forward (all of them)."""
+        return torch.arange(self.n[layer]).expand(self.h, -1).clone()
+
+    def device_bytes(self) -> int:
+        """Bytes of prefetched device K/V held right now (at most about one layer)."""
+        return sum(2 * k.numel() * k.element_size() for k, _, _ in self._next.values())
+
+    def clone(self, store: HostKVStore) -> "StreamedActiveSet":
+        """A fresh streamed set over ``store``."""
+        other = StreamedActiveSet(store, self.device, self.dtype)
+        other.n = list(self.n)
+        other._stream = self._stream
+        return other

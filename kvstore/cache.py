@@ -1,0 +1,133 @@
+"""A :class:`kvstore.base.KVCache` driven by a :class:`kvstore.policy.KVPolicy`, offloaded to host memory.
+
+Per layer and forward: the new K/V go to the host store (all positions, ZoomR §3.4), the active set
+(the policy's last selection + tokens appended since) is attended, and the policy observes the
+queries and attended keys. After the forward the policy may answer with a new selection, which the
+active set applies before that layer's next forward (on CUDA, prefetched one layer ahead).
+
+Positions are never shifted: every key keeps the RoPE rotation of its original position, and the
+next token's position is :attr:`PolicyKVCache.n_tokens` (positions written), whatever was evicted.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from backends.base import KVStats
+
+from .active_set import ResidentActiveSet, StreamedActiveSet
+from .events import EventBus
+from .host_store import HostKVStore
+from .policy import ForwardInfo, KVPolicy, LayerView, PolicyContext
+
+OFFLOAD_MODES = ("resident", "stream")
+
+
+class PolicyKVCache:
+    """KV cache of one sequence: host store + device active set + a policy.
+
+    Args:
+        policy: a fresh policy (one per cache).
+        n_layers, n_heads, n_kv_heads, head_dim: model shapes.
+        device, dtype: compute device and K/V dtype.
+        offload: ``resident`` (selected K/V stay on the device; moves only what changed) or ``stream``
+            (every layer copied from the host each step; the full policy only).
+        events: bus the policy's recompute events go to (None: dropped).
+        capacity: positions the host store reserves at first (tokens; it doubles when full).
+    Raises:
+        ValueError: unknown offload mode, or ``stream`` with a policy that selects.
+
+    Attributes:
+        n_tokens: positions written (tokens); the next token's position.
+    """
+
+    def __init__(self, policy: KVPolicy, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                 device: torch.device, dtype: torch.dtype, offload: str = "resident",
+                 events: EventBus | None = None, capacity: int = 256):
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload {offload!r} unknown (choose from {', '.join(OFFLOAD_MODES)})")
+        if offload == "stream" and policy.name != "full":
+            raise ValueError(f"offload 'stream' copies every position each step; policy {policy.name} selects")
+        self.policy, self.device, self.dtype, self.offload = policy, device, dtype, offload
+        self.events = events
+        self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, capacity)
+        active_cls = ResidentActiveSet if offload == "resident" else StreamedActiveSet
+        self.active = active_cls(self.store, device, dtype)
+        self.ctx = PolicyContext(n_layers, n_heads, n_kv_heads, head_dim, device, self.store, self._emit)
+        policy.bind(self.ctx)
+        self.n_tokens = 0
+        self._attended = [0] * n_layers     # positions attended per layer at the last forward
+        self._sum_active = 0                 # Σ attended (max over layers) over forwards after the prompt
+        self._steps = 0
+        self._peak = 0
+        self._pos_new = torch.empty(0, dtype=torch.long)   # positions of this forward's tokens
+
+    def _emit(self, event) -> None:
+        if self.events is not None:
+            self.events.emit(event)
+
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last."""
+        T = k.shape[1]
+        if layer == 0 or self._pos_new.shape[0] != T:
+            self._pos_new = torch.arange(self.n_tokens, self.n_tokens + T)
+        pos_new = self._pos_new
+        self.store.append(layer, k, v)
+        K, V, pos = self.active.attend(layer, k, v, pos_new)
+        self._attended[layer] = K.shape[1]
+        selection = self.policy.observe(LayerView(layer, q, K, pos, T, self.n_tokens))
+        if selection is not None:
+            self.active.schedule(layer, selection)
+        return K, V
+
+    def end_forward(self, token_ids: list[int], text: str) -> None:
+        """Advance positions, account the active size, let the policy choose the next selection."""
+        fwd = ForwardInfo(self.n_tokens, list(token_ids), text, self.n_tokens == 0)
+        self.n_tokens = fwd.end
+        active = max(self._attended)
+        self._peak = max(self._peak, active)
+        if not fwd.is_prompt:
+            self._sum_active += active
+            self._steps += 1
+        selection = self.policy.end_forward(fwd)
+        if selection is not None:
+            for layer in range(self.ctx.n_layers):
+                self.active.schedule(layer, selection)
+        self.active.prefetch(0)
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, N] positions ``layer`` attended at its last forward (CPU int64)."""
+        return self.active.positions(layer)
+
+    def fork(self) -> "PolicyKVCache":
+        """An independent copy: store, active set and policy state cloned; events go to the same bus."""
+        other = copy.copy(self)
+        other.store = self.store.clone()
+        other.active = self.active.clone(other.store)
+        other.ctx = PolicyContext(self.ctx.n_layers, self.ctx.n_heads, self.ctx.n_kv_heads, self.ctx.head_dim,
+                                  self.device, other.store, other._emit)
+        # the policy's state is copied deeply, except its context, which becomes the fork's
+        other.policy = copy.deepcopy(self.policy, memo={id(self.ctx): other.ctx})
+        other._attended = list(self._attended)
+        return other
+
+    def stats(self) -> KVStats:
+        """Active = positions attended at the last forward (max over layers; bytes summed over layers).
+
+        ``extra`` holds: ``policy`` (its description), ``active_tokens_mean`` (mean attended positions
+        per forward after the prompt), ``moved_tokens`` (positions copied host → device by selections,
+        per KV head), ``device_kv_bytes`` (device K/V buffers allocated now) and the policy's own
+        numbers (recomputes, AG mean/std, summaries mode ...).
+        """
+        L, h, d = self.store.shape
+        layer_bytes = self.store.token_bytes() // L
+        active = max(self._attended)
+        mean = self._sum_active / self._steps if self._steps else float(active)
+        extra = {"policy": self.policy.describe(), "active_tokens_mean": round(mean, 2),
+                 "moved_tokens": self.active.moved_pairs // h, "device_kv_bytes": self.active.device_bytes(),
+                 **self.policy.stats()}
+        return KVStats(active, self.n_tokens, sum(self._attended) * layer_bytes,
+                       self.n_tokens * self.store.token_bytes(), self._peak, extra)

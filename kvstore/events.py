@@ -1,0 +1,74 @@
+"""KV-policy events for live displays: one event type, one bus per cache factory.
+
+A policy that recomputes its selection (ZoomR, SumR) emits a :class:`RecomputeEvent`; a renderer
+subscribes to the :class:`EventBus` of the backend's cache factory (:func:`kv_events`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class RecomputeEvent:
+    """One recompute of the selection at a semantic boundary.
+
+    Attributes:
+        policy: policy name (``zoomr``, ``sumr``).
+        position: position of the token after which the selection was recomputed (tokens).
+        zoomed: indices i of the segments zoomed in (I_c: their regular segments R_i are attended).
+        summaries: indices of the segments kept as summaries (I_s: their S_i are attended).
+        votes: segment index → votes v_i (empty for SumR).
+        agreeability: AG = Σ_{I_c} v_i / Σ_{I_all} v_j (ZoomR §4), None when nothing was voted.
+        active_tokens: positions attended at the next step, the new token excluded (tokens).
+        segments: closed segments so far.
+        summaries_mode: which segmentation produced them (see ``SegmentTracker.mode_ran``).
+    """
+
+    policy: str
+    position: int
+    zoomed: list[int]
+    summaries: list[int]
+    votes: dict[int, int] = field(default_factory=dict)
+    agreeability: float | None = None
+    active_tokens: int = 0
+    segments: int = 0
+    summaries_mode: str = "none"
+
+    def describe(self) -> str:
+        """One short line for a live display."""
+        ag = f" · AG {self.agreeability:.2f}" if self.agreeability is not None else ""
+        return (f"{self.policy} @{self.position}: zoom in {_ids(self.zoomed)} · summaries {_ids(self.summaries)}"
+                f"{ag} · {self.active_tokens} tok active · {self.segments} segments ({self.summaries_mode})")
+
+
+def _ids(xs: list[int]) -> str:
+    if len(xs) > 8:
+        return "[" + ", ".join(map(str, xs[:8])) + f", … +{len(xs) - 8}]"
+    return "[" + ", ".join(map(str, xs)) + "]"
+
+
+class EventBus:
+    """Fan-out of policy events to subscribers (called synchronously, in subscription order)."""
+
+    def __init__(self):
+        self._subscribers: list[Callable[[RecomputeEvent], None]] = []
+
+    def subscribe(self, fn: Callable[[RecomputeEvent], None]) -> None:
+        """Call ``fn(event)`` for every event from now on."""
+        self._subscribers.append(fn)
+
+    def emit(self, event: RecomputeEvent) -> None:
+        """Deliver ``event`` to every subscriber."""
+        for fn in self._subscribers:
+            fn(event)
+
+
+def kv_events(backend) -> EventBus | None:
+    """The event bus of ``backend``'s KV policy: ``backend.kv_events`` or ``backend.cache_factory.events``;
+    None when its policy emits no events (``full`` or a backend without one)."""
+    bus = getattr(backend, "kv_events", None)
+    if bus is None:
+        bus = getattr(getattr(backend, "cache_factory", None), "events", None)
+    return bus if isinstance(bus, EventBus) else None

@@ -1,0 +1,11 @@
+"""``full``: no eviction, every position stays attended — the reference every fidelity number uses."""
+
+from __future__ import annotations
+
+from .policy import KVPolicy
+
+
+class FullPolicy(KVPolicy):
+    """Keeps every position (through the host store; on CUDA the offloaded-full baseline when streamed)."""
+
+    name = "full"

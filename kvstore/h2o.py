@@ -1,0 +1,63 @@
+"""``h2o``: Heavy-Hitter Oracle — accumulated attention heavy hitters plus a recent window.
+
+Source: Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs"
+(github FMInference/H2O): every cached token accumulates the attention it receives from every query
+(softmax probabilities, causal); after each step a KV head keeps the ``recent`` newest tokens and the
+``B − recent`` others with the largest accumulated score; evicted tokens never return. The paper's
+split is 50/50 of the budget. With GQA, a KV head's score is the sum over its query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .policy import KVPolicy, LayerView, grouped, keep_top, received_attention
+
+
+class H2OPolicy(KVPolicy):
+    """Heavy hitters + recent window, per layer and KV head, re-selected after every forward.
+
+    Args:
+        budget: B, positions kept per KV head (tokens, ≥ 2).
+        window: recent positions always kept (tokens); default B // 2; 1 ≤ window < B.
+    Raises:
+        ValueError: a budget or window outside those ranges.
+    """
+
+    name = "h2o"
+
+    def __init__(self, budget: int, window: int | None = None):
+        if budget < 2:
+            raise ValueError(f"h2o: --budget must be at least 2 tokens (heavy hitters + recent), got {budget}")
+        window = budget // 2 if window is None else window
+        if not 1 <= window < budget:
+            raise ValueError(f"h2o: --window must be in [1, --budget {budget}), got {window}")
+        self.budget, self.window = budget, window
+        self.slack = 1
+        self.score: dict[int, torch.Tensor] = {}   # layer → [Hkv, capacity] accumulated attention by position
+
+    def observe(self, view: LayerView) -> torch.Tensor | None:
+        """Accumulate this forward's attention; evict down to B when more is attended."""
+        pos = view.positions
+        q_pos = torch.arange(view.start, view.start + view.n_new, device=pos.device)
+        received = received_attention(grouped(view.q, self.ctx.n_kv_heads), q_pos, view.keys, pos)  # [Hkv, N]
+        acc = self._grow(view.layer, view.start + view.n_new, received.device)
+        acc.scatter_add_(1, pos, received)
+        N = pos.shape[1]
+        if N <= self.budget:
+            return None
+        cand = pos[:, :N - self.window]
+        return keep_top(acc.gather(1, cand), cand, self.budget - self.window, pos[:, N - self.window:])
+
+    def _grow(self, layer: int, need: int, device: torch.device) -> torch.Tensor:
+        acc = self.score.get(layer)
+        if acc is None or acc.shape[1] < need:
+            grown = torch.zeros(self.ctx.n_kv_heads, max(need, 2 * (0 if acc is None else acc.shape[1])),
+                                device=device)
+            if acc is not None:
+                grown[:, :acc.shape[1]] = acc
+            self.score[layer] = acc = grown
+        return acc
+
+    def describe(self) -> str:
+        return f"h2o(B={self.budget}, heavy={self.budget - self.window}, recent={self.window})"

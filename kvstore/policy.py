@@ -1,0 +1,194 @@
+"""The KV-policy seam: what a policy sees of each forward and how it answers with a selection.
+
+A policy never owns weights or storage. :class:`kvstore.cache.PolicyKVCache` stores every K/V in the
+host store, attends the active set, and asks the policy two questions:
+
+* :meth:`KVPolicy.observe` once per layer per forward, with the new queries and the keys just attended
+  (policies that score by attention — H2O, SnapKV, R-KV — answer here, per layer);
+* :meth:`KVPolicy.end_forward` once per forward, with the tokens and their text (policies driven by
+  text and segments — StreamingLLM, SumR, ZoomR — answer here, for every layer).
+
+An answer is a *selection*: [Hkv, M] int64 positions, each row sorted ascending and unique, the same M
+for every KV head. From the next forward on, that layer attends exactly those positions plus the
+tokens appended since. ``None`` means "keep what is active and append". Positions are the original
+ones (RoPE is never re-applied), so a policy may bring back any position ever written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from .events import RecomputeEvent
+from .host_store import HostKVStore
+
+
+@dataclass
+class LayerView:
+    """One layer of one forward, as the policy sees it.
+
+    Attributes:
+        layer: layer index.
+        q: [H, T, d] post-RoPE queries of the T new tokens.
+        keys: [Hkv, N, d] post-RoPE keys attended by this forward (active set + the new tokens, last).
+        positions: [Hkv, N] int64 positions of ``keys`` (on the compute device).
+        n_new: T.
+        start: position of the first new token.
+    """
+
+    layer: int
+    q: torch.Tensor
+    keys: torch.Tensor
+    positions: torch.Tensor
+    n_new: int
+    start: int
+
+
+@dataclass
+class ForwardInfo:
+    """One finished forward. ``is_prompt`` is True for the sequence's first forward (the prompt)."""
+
+    start: int
+    token_ids: list[int]
+    text: str
+    is_prompt: bool
+
+    @property
+    def end(self) -> int:
+        """Positions written after this forward (tokens)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class PolicyContext:
+    """Shapes and services a policy may use.
+
+    Attributes:
+        n_layers, n_heads, n_kv_heads, head_dim: model shapes (H query heads share Hkv KV heads).
+        device: compute device (where scores are computed).
+        store: the host store (read keys of any written position, e.g. for mean keys).
+        emit: publish a :class:`RecomputeEvent`.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    device: torch.device
+    store: HostKVStore
+    emit: Callable[[RecomputeEvent], None]
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.n_heads // self.n_kv_heads
+
+
+class KVPolicy:
+    """Base of every KV policy: keeps everything (override :meth:`observe` / :meth:`end_forward`).
+
+    Attributes:
+        name: the ``--policy`` name.
+        budget: B, the positions a budgeted policy keeps after a compression (tokens); None when the
+            policy is not budgeted (full, SumR, ZoomR: their active size follows from the text).
+        slack: how far above B the attended set may grow between compressions (tokens), so a budgeted
+            policy always attends at most ``budget + slack`` positions in a decode step.
+    """
+
+    name: ClassVar[str] = "base"
+    budget: int | None = None
+    slack: int = 0
+
+    def bind(self, ctx: PolicyContext) -> None:
+        """Attach to one cache (called once by the cache before the first forward)."""
+        self.ctx = ctx
+
+    def observe(self, view: LayerView) -> torch.Tensor | None:
+        """See one layer of a forward; optionally return that layer's next selection [Hkv, M]."""
+        return None
+
+    def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
+        """See a finished forward; optionally return the next selection [Hkv, M] of every layer."""
+        return None
+
+    def stats(self) -> dict:
+        """Policy numbers for ``KVStats.extra`` (JSON-ready)."""
+        return {}
+
+    def describe(self) -> str:
+        """Short description with the knobs in force, e.g. ``h2o(B=64, recent=32)``."""
+        return self.name
+
+
+def grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[H, T, d] queries → [Hkv, G, T, d] float32, query head h in KV group h // G (GQA)."""
+    H, T, d = q.shape
+    return q.float().reshape(n_kv_heads, H // n_kv_heads, T, d)
+
+
+def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor
+                    ) -> torch.Tensor:
+    """Causal softmax attention of queries over keys, per query head, in float32.
+
+    Args:
+        q: [Hkv, G, T, d] grouped queries; q_pos: [T] their positions.
+        keys: [Hkv, N, d]; k_pos: [Hkv, N] their positions.
+    Returns:
+        [Hkv, G, T, N] probabilities; a key later than its query gets 0.
+    """
+    d = q.shape[-1]
+    logits = torch.einsum("hgtd,hnd->hgtn", q, keys.float()) / d ** 0.5
+    future = k_pos[:, None, None, :] > q_pos.to(k_pos.device)[None, None, :, None]
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+
+
+def received_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor,
+                       block: int = 256) -> torch.Tensor:
+    """Attention each key receives, summed over all queries and the query heads of its KV group.
+
+    Same maths as summing :func:`attention_probs` over (G, T), computed ``block`` queries at a time so a
+    long prefill never holds a [T, N] matrix per head (a 16K prompt would need gigabytes).
+
+    Args:
+        q: [Hkv, G, T, d]; q_pos: [T]; keys: [Hkv, N, d]; k_pos: [Hkv, N].
+    Returns:
+        [Hkv, N] float32.
+    """
+    total = torch.zeros(keys.shape[0], keys.shape[1], device=keys.device)
+    for i in range(0, q.shape[2], block):
+        total += attention_probs(q[:, :, i:i + block], q_pos[i:i + block], keys, k_pos).sum(dim=(1, 2))
+    return total
+
+
+def keep_top(scores: torch.Tensor, candidates: torch.Tensor, k: int, always: torch.Tensor) -> torch.Tensor:
+    """Per KV head: the ``k`` best-scored candidate positions plus ``always``, sorted.
+
+    Args:
+        scores: [Hkv, C] float; candidates: [Hkv, C] positions; always: [Hkv, W] positions kept anyway.
+    Returns:
+        [Hkv, k + W] int64 positions, rows sorted ascending.
+    """
+    top = candidates.gather(1, scores.topk(k, dim=1).indices)
+    return torch.cat([top, always], dim=1).sort(dim=1).values
+
+
+class QueryWindow:
+    """The last ``size`` queries of each layer and their positions (SnapKV, R-KV observation window)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.q: dict[int, torch.Tensor] = {}     # layer → [H, ≤size, d] float32
+        self.pos: dict[int, torch.Tensor] = {}   # layer → [≤size] int64
+
+    def push(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``view``'s queries; return the window ([H, W, d], [W]) now held for its layer."""
+        T = view.n_new
+        new_pos = torch.arange(view.start, view.start + T, device=view.q.device)
+        q = view.q.float()
+        if view.layer in self.q:
+            q = torch.cat([self.q[view.layer], q], dim=1)
+            new_pos = torch.cat([self.pos[view.layer], new_pos])
+        self.q[view.layer], self.pos[view.layer] = q[:, -self.size:], new_pos[-self.size:]
+        return self.q[view.layer], self.pos[view.layer]

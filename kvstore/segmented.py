@@ -1,0 +1,82 @@
+"""What SumR and ZoomR share: segments, semantic-boundary recomputes, prompt + recent window.
+
+Source: ZoomR paper §3.3–3.4 and Algorithm 1. The selection is
+
+    I_f = I_p ∪ I_w ∪ ⋃_{i∈zoomed} R_i ∪ ⋃_{i∈summarized} S_i
+
+where I_p is the prompt (the sequence's first forward, kept whole as the attention sink) and I_w the
+last ``window`` generated positions. It is recomputed only after a token whose text ends at a
+semantic boundary (:func:`kvstore.segments.ends_at_boundary`); in between, new tokens are appended to
+the active set and attended. Generated tokens that are neither in the window nor in a chosen segment
+(the older part of a model-mode segment still being written) wait until their segment closes.
+Subclasses decide which segments are zoomed and which are summarized (:meth:`choose`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .events import RecomputeEvent
+from .policy import ForwardInfo, KVPolicy
+from .segments import Segment, SegmentTracker, ends_at_boundary
+
+
+class SegmentedPolicy(KVPolicy):
+    """Base of SumR and ZoomR.
+
+    Args:
+        window: w, recent generated positions always kept (tokens, ≥ 1); also the longest paragraph
+            segment in ``auto`` mode, so the segment being written fits the window.
+        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`kvstore.segments`).
+    Raises:
+        ValueError: window < 1 or an unknown summaries mode.
+    """
+
+    def __init__(self, window: int = 128, summaries: str = "auto"):
+        if window < 1:
+            raise ValueError(f"{self.name}: --window must be at least 1 token, got {window}")
+        self.window = window
+        self.tracker = SegmentTracker(summaries, max_segment=window)
+        self.n_prompt: int | None = None
+        self.recomputes = 0
+        self._tail = ""
+
+    def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
+        """Track segments; at a semantic boundary, choose segments and return the new selection."""
+        if self.n_prompt is None:
+            self.n_prompt = fwd.end
+            return None
+        closed = self.tracker.push(fwd.start, fwd.text, len(fwd.token_ids))
+        if closed:
+            self.on_closed(closed)
+        self._tail = (self._tail + fwd.text)[-8:]
+        if not ends_at_boundary(self._tail):
+            return None
+        zoomed, summarized, votes = self.choose()
+        keep = set(range(self.n_prompt)) | set(range(max(self.n_prompt, fwd.end - self.window), fwd.end))
+        segs = self.tracker.segments
+        for i in zoomed:
+            keep.update(segs[i].regular)
+        for i in summarized:
+            keep.update(segs[i].summary)
+        selection = torch.tensor(sorted(keep), dtype=torch.long)
+        self.recomputes += 1
+        ag = self.record(zoomed, votes)
+        self.ctx.emit(RecomputeEvent(self.name, fwd.end - 1, zoomed, summarized, votes, ag, len(keep),
+                                     len(segs), self.tracker.mode_ran()))
+        return selection.expand(self.ctx.n_kv_heads, -1)
+
+    def on_closed(self, segments: list[Segment]) -> None:
+        """Called with newly closed segments (before :meth:`choose`)."""
+
+    def choose(self) -> tuple[list[int], list[int], dict[int, int]]:
+        """(zoomed segment indices, summarized segment indices, votes per voted segment)."""
+        raise NotImplementedError
+
+    def record(self, zoomed: list[int], votes: dict[int, int]) -> float | None:
+        """Book-keep one recompute; return its agreeability (None when not applicable)."""
+        return None
+
+    def stats(self) -> dict:
+        return {"recomputes": self.recomputes, "segments": len(self.tracker.segments),
+                "summaries_mode": self.tracker.mode_ran(), "summaries_option": self.tracker.mode}

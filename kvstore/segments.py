@@ -1,0 +1,229 @@
+"""Segment tracker: splits generated text into regular segments R_i and summary segments S_i.
+
+Backend-neutral (plain text and integer positions in, :class:`Segment` out; no torch), so the torch
+backend's ZoomR/SumR and the llama.cpp backend's segment-level eviction share it.
+
+Source: ZoomR paper §3.2–3.3 (delimiters ``<|begin_of_summary|>`` / ``<|end_of_summary|>``, R_i = text
+before a summary since the previous one) and Appendix A.3 (semantic boundaries).
+
+Modes (``--summaries``):
+    ``model``     only summaries the model writes between the delimiters make segments.
+    ``prompted``  as ``auto``; the caller also adds :data:`SUMMARY_INSTRUCTION` to the prompt.
+    ``auto``      paragraph segments (text up to a ``\\n\\n``) until the model writes a delimiter, then
+                  delimited summaries. A paragraph segment has no written summary: its stand-in is an
+                  extractive one, a few of its own first and last tokens (:func:`stand_in`), and its
+                  representative key is the mean of all its keys. A paragraph that reaches
+                  ``max_segment`` tokens is cut at its last line break (or there, when it has none), so
+                  the segment being written never outgrows the recent window the policies keep.
+Delimiters are found on the detokenized stream, so they may span several tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+BEGIN = "<|begin_of_summary|>"
+END = "<|end_of_summary|>"
+SUMMARY_MODES = ("model", "prompted", "auto")
+BOUNDARY_SUFFIXES = (".", "!", "?", "...", ":", "\n\n", "\n\n\n")
+SUMMARY_INSTRUCTION = (
+    f"Reason in short paragraphs. After each paragraph, write a one-sentence summary of it between "
+    f"{BEGIN} and {END}, then continue."
+)
+
+
+def ends_at_boundary(text: str) -> bool:
+    """True when ``text`` ends at a semantic boundary (ZoomR App. A.3: ``. ! ? ... : \\n\\n \\n\\n\\n``).
+
+    Trailing spaces and tabs are ignored so ``"x. "`` counts; a lone ``\\n`` does not.
+    """
+    return text.rstrip(" \t").endswith(BOUNDARY_SUFFIXES)
+
+
+def stand_in(regular: range) -> tuple[int, ...]:
+    """Extractive stand-in of a paragraph segment: its first ⌈m/2⌉ and last ⌊m/2⌋ positions.
+
+    m = clamp(len/8, 4, 16) tokens (never more than the segment): about the 8% summary/segment
+    length ratio of the paper's example (L̄_S = 20, L̄_R = 250, §3.5). The first tokens say what the
+    paragraph does, the last ones usually state its result.
+    """
+    n = len(regular)
+    m = min(n, max(4, min(16, n // 8)))
+    head = (m + 1) // 2
+    return tuple(regular[:head]) + tuple(regular[n - (m - head):n])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One closed segment of the generated text.
+
+    Attributes:
+        index: i, in order of closing (0-based).
+        regular: positions of R_i (contiguous; may be empty when a summary follows a summary).
+        summary: positions of S_i: the delimited summary (``kind == "model"``, delimiters included)
+            or the extractive stand-in (``kind == "paragraph"``, a subset of ``regular``).
+        kind: ``"model"`` or ``"paragraph"``.
+        text: text of R_i (for display).
+    """
+
+    index: int
+    regular: range
+    summary: tuple[int, ...]
+    kind: str
+    text: str = ""
+
+    @property
+    def key_positions(self) -> tuple[int, ...]:
+        """Positions whose mean key represents the segment: S_i for model summaries (paper §3.3),
+        all of R_i for paragraph segments (they have no written summary)."""
+        return self.summary if self.kind == "model" else tuple(self.regular)
+
+
+@dataclass
+class _Chunk:
+    first: int   # first position
+    n: int       # positions
+    text: str
+
+
+class _Open:
+    """Text written since the last closed segment, as chunks (one per push) so chars map to positions."""
+
+    def __init__(self, start: int, chunks: list[_Chunk] = ()):
+        self.start = start
+        self.chunks: list[_Chunk] = []
+        self.text = ""
+        self._ends: list[int] = []   # end offset of each chunk in ``text``
+        for c in chunks:
+            self.add(c)
+
+    def add(self, chunk: _Chunk) -> None:
+        self.chunks.append(chunk)
+        self.text += chunk.text
+        self._ends.append(len(self.text))
+
+    def end(self) -> int:
+        return self.chunks[-1].first + self.chunks[-1].n if self.chunks else self.start
+
+    def find(self, needle: str, since: int) -> int:
+        """Offset of ``needle`` in the text, searching only what could contain it after char ``since``."""
+        return self.text.find(needle, max(0, since - len(needle) + 1))
+
+    def chunk_at(self, char: int) -> int:
+        """Index of the chunk holding character ``char`` of :attr:`text`."""
+        return min(bisect.bisect_right(self._ends, char), len(self.chunks) - 1)
+
+    def split(self, i: int) -> tuple[list[_Chunk], "_Open"]:
+        """Chunks before index ``i``, and the rest as a new open part."""
+        rest = self.chunks[i:]
+        return self.chunks[:i], _Open(rest[0].first if rest else self.end(), rest)
+
+
+class SegmentTracker:
+    """Turns (positions, text) of generated tokens into closed :class:`Segment` objects.
+
+    Segment edges fall on push edges: a forward of several tokens is never split.
+
+    Args:
+        mode: ``model``, ``prompted`` or ``auto`` (see the module docstring).
+        max_segment: most tokens of a paragraph segment before it is cut (auto/prompted; tokens, ≥ 1).
+    Raises:
+        ValueError: unknown mode or max_segment < 1.
+
+    Use: call :meth:`push` for every forward after the prompt, in position order; read
+    :attr:`segments`, :attr:`open_start` and :meth:`mode_ran`.
+    """
+
+    def __init__(self, mode: str = "auto", max_segment: int = 128):
+        if mode not in SUMMARY_MODES:
+            raise ValueError(f"--summaries {mode!r} unknown (choose from {', '.join(SUMMARY_MODES)})")
+        if max_segment < 1:
+            raise ValueError(f"max_segment must be >= 1 token, got {max_segment}")
+        self.mode = mode
+        self.max_segment = max_segment
+        self.segments: list[Segment] = []
+        self._open: _Open | None = None
+        self._regular: list[_Chunk] | None = None   # R_i while its summary is being written
+        self._model_seen = False
+
+    @property
+    def open_start(self) -> int | None:
+        """First position of the segment being written (None before the first push)."""
+        if self._open is None:
+            return None
+        return self._regular[0].first if self._regular else self._open.start
+
+    @property
+    def in_summary(self) -> bool:
+        """True while the model is writing a delimited summary."""
+        return self._regular is not None
+
+    def mode_ran(self) -> str:
+        """Which segmentation produced the closed segments: ``model``, ``paragraphs``,
+        ``paragraphs, then model`` or ``none`` (no segment closed yet)."""
+        kinds = {s.kind for s in self.segments}
+        if not kinds:
+            return "none"
+        if kinds == {"paragraph", "model"}:
+            return "paragraphs, then model"
+        return "model" if "model" in kinds else "paragraphs"
+
+    def push(self, start: int, text: str, n: int = 1) -> list[Segment]:
+        """Record that positions ``[start, start + n)`` produced ``text``; return the segments it closed.
+
+        Raises:
+            ValueError: ``start`` is not the position right after the previous push, or n < 1.
+        """
+        if n < 1:
+            raise ValueError(f"push needs at least one position, got {n}")
+        if self._open is None:
+            self._open = _Open(start)
+        elif start != self._open.end():
+            raise ValueError(f"positions must be pushed in order: expected {self._open.end()}, got {start}")
+        since = len(self._open.text)
+        self._open.add(_Chunk(start, n, text))
+        if self.mode == "model" or self._model_seen or self._open.find(BEGIN, since) >= 0:
+            return self._delimited(since)
+        return self._paragraph(self._open.text[max(0, since - 1):])
+
+    def _close(self, regular: list[_Chunk], summary: tuple[int, ...] | None, kind: str) -> Segment:
+        rng = range(regular[0].first, regular[-1].first + regular[-1].n) if regular else range(0)
+        if summary is None:
+            summary = stand_in(rng)
+        seg = Segment(len(self.segments), rng, summary, kind, "".join(c.text for c in regular))
+        self.segments.append(seg)
+        return seg
+
+    def _delimited(self, since: int) -> list[Segment]:
+        # ``since``: chars of the open text already searched before this push (0 after a split)
+        closed = []
+        while True:
+            op = self._open
+            if self._regular is None:
+                at = op.find(BEGIN, since)
+                if at < 0:
+                    return closed
+                self._model_seen = True
+                self._regular, self._open = op.split(op.chunk_at(at))
+                since = 0
+                continue
+            at = op.text.find(END, max(op.text.find(BEGIN) + len(BEGIN), since - len(END) + 1))
+            if at < 0:
+                return closed
+            summary, self._open = op.split(op.chunk_at(at + len(END) - 1) + 1)
+            positions = tuple(p for c in summary for p in range(c.first, c.first + c.n))
+            closed.append(self._close(self._regular, positions, "model"))
+            self._regular, since = None, 0
+
+    def _paragraph(self, recent: str) -> list[Segment]:
+        # ``recent`` starts one character before this push, so a "\n\n" split over two tokens is seen
+        op = self._open
+        if "\n\n" in recent and op.text.strip():
+            done, self._open = op.split(len(op.chunks))
+        elif op.end() - op.start >= self.max_segment:
+            breaks = [i for i, c in enumerate(op.chunks[:-1]) if c.text.endswith("\n")]
+            done, self._open = op.split(breaks[-1] + 1 if breaks else len(op.chunks))
+        else:
+            return []
+        return [self._close(done, None, "paragraph")]

@@ -1,0 +1,99 @@
+"""``zoomr``: ZoomR multi-granularity KV retrieval.
+
+Source: ZoomR paper §3.3 and Algorithm 1.
+
+* Mean summary key per (layer l, KV head h): k̄_i = mean of the post-RoPE keys of S_i (of all of R_i
+  for paragraph segments, which have no written summary); kept on the compute device.
+* Scoring: α_i = q_t · k̄_i for every query head, q_t the query of the token just processed; with GQA a
+  query head uses its KV group's k̄.
+* Voting: every (layer, query head) votes for its top-k segments (k = 2; all of them when fewer);
+  v_i = votes of segment i, I_all = {i : v_i > 0}.
+* Consensus: I_c = the c most-voted (c = 2; ties: the newer segment first), I_s = I_all \\ I_c.
+* Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`kvstore.segmented`).
+* Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .policy import LayerView
+from .segmented import SegmentedPolicy
+from .segments import Segment
+
+
+class ZoomRPolicy(SegmentedPolicy):
+    """ZoomR selection.
+
+    Args:
+        window: w, recent generated positions kept (tokens).
+        topk: k, segments each (layer, query head) votes for (≥ 1).
+        consensus: c, most-voted segments zoomed in (≥ 0).
+        summaries: ``model``, ``prompted`` or ``auto``.
+    Raises:
+        ValueError: k < 1, c < 0, window < 1, unknown summaries mode.
+    """
+
+    name = "zoomr"
+
+    def __init__(self, window: int = 128, topk: int = 2, consensus: int = 2, summaries: str = "auto"):
+        if topk < 1:
+            raise ValueError(f"zoomr: --topk-per-head must be at least 1, got {topk}")
+        if consensus < 0:
+            raise ValueError(f"zoomr: --consensus must be >= 0, got {consensus}")
+        super().__init__(window, summaries)
+        self.topk, self.consensus = topk, consensus
+        self.mean_keys: torch.Tensor | None = None    # [L, Hkv, S, d] float32 on the compute device
+        self.queries: dict[int, torch.Tensor] = {}    # layer → [H, d] query of the newest token
+        self.ag: list[float] = []
+        self.voted_last = 0                           # |I_all| at the last recompute
+
+    def observe(self, view: LayerView) -> None:
+        """Keep the newest token's query of this layer (scored at the next boundary)."""
+        self.queries[view.layer] = view.q[:, -1].float()
+
+    def on_closed(self, segments: list[Segment]) -> None:
+        """Compute the mean keys of newly closed segments from the host store."""
+        means = [self.ctx.store.keys(torch.tensor(s.key_positions, dtype=torch.long)).mean(dim=2)
+                 for s in segments]                                        # each [L, Hkv, d]
+        new = torch.stack(means, dim=2).to(self.ctx.device)
+        self.mean_keys = new if self.mean_keys is None else torch.cat([self.mean_keys, new], dim=2)
+
+    def votes(self) -> torch.Tensor:
+        """v_i for every closed segment: [S] int64 (CPU)."""
+        S = 0 if self.mean_keys is None else self.mean_keys.shape[2]
+        if S == 0 or len(self.queries) < self.ctx.n_layers:
+            return torch.zeros(S, dtype=torch.long)
+        q = torch.stack([self.queries[l] for l in range(self.ctx.n_layers)])          # [L, H, d]
+        kbar = self.mean_keys.repeat_interleave(self.ctx.group, dim=1)                 # [L, H, S, d]
+        alpha = torch.einsum("lhd,lhsd->lhs", q, kbar)
+        top = alpha.topk(min(self.topk, S), dim=-1).indices
+        return torch.bincount(top.flatten(), minlength=S).cpu()
+
+    def choose(self):
+        v = self.votes()
+        voted = [i for i in range(len(v)) if v[i] > 0]
+        ranked = sorted(voted, key=lambda i: (-int(v[i]), -i))
+        zoomed = sorted(ranked[:self.consensus])
+        summarized = sorted(ranked[self.consensus:])
+        return zoomed, summarized, {i: int(v[i]) for i in voted}
+
+    def record(self, zoomed, votes):
+        self.voted_last = len(votes)
+        total = sum(votes.values())
+        if not total:
+            return None
+        ag = sum(votes[i] for i in zoomed) / total
+        self.ag.append(ag)
+        return ag
+
+    def stats(self) -> dict:
+        ag = self.ag
+        return {**super().stats(), "voted_last": self.voted_last,
+                "ag_mean": round(statistics.fmean(ag), 4) if ag else None,
+                "ag_std": round(statistics.pstdev(ag), 4) if ag else None}
+
+    def describe(self) -> str:
+        return f"zoomr(k={self.topk}, c={self.consensus}, window={self.window}, summaries={self.tracker.mode})"

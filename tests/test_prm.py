@@ -1,0 +1,138 @@
+"""The Qwen2.5-Math-PRM architecture on our decoder, checked against transformers (float64) + the head by hand.
+
+The checkpoint is written here: a small random Qwen2 body (transformers' own initialisation and
+tensor names, minus ``lm_head``) plus a random score head ``score.0.*`` / ``score.2.*``, a byte-level
+tokenizer that knows ``<extra_0>``, and a ChatML template, as in the real PRM's directory.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from backends.models import ModelSource
+from backends.torch.prm import PRM_SYSTEM, ProcessRewardModel
+from backends.torch.weights import ModelLoadError
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<extra_0>"]
+QUESTION = "Janet's ducks lay 16 eggs per day. She eats 3 and bakes with 4. How many are left?"
+STEPS = ["She uses 3 + 4 = 7 eggs.", "So 16 - 7 = 9 eggs are left.", "The answer is \\boxed{9}."]
+
+
+def write_tokenizer(out):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))  # bytes only: ids follow the text
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def tiny_prm(tmp_path_factory):
+    """(directory, transformers Qwen2 body in float64, head tensors in float64)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-prm")
+    n_vocab = write_tokenizer(out)
+    H = 64
+    cfg = Qwen2Config(vocab_size=n_vocab + 5, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      initializer_range=0.2)  # larger than the default 0.02: context moves the hidden states
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers zero-inits biases; random ones exercise our q/k/v bias path
+        for layer in lm.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    g = torch.Generator().manual_seed(1)
+    head = {"score.0.weight": torch.randn(H, H, generator=g) / H ** 0.5, "score.0.bias": torch.randn(H, generator=g),
+            "score.2.weight": torch.randn(2, H, generator=g) / H ** 0.5, "score.2.bias": torch.randn(2, generator=g) / 4}
+    body = {k: v.contiguous() for k, v in lm.state_dict().items() if not k.startswith("lm_head")}
+    save_file({**body, **head}, str(out / "model.safetensors"))
+    hf = cfg.to_dict()
+    hf["architectures"] = ["Qwen2ForProcessRewardModel"]
+    (out / "config.json").write_text(json.dumps(hf))
+    return out, lm.model.double(), {k: v.double() for k, v in head.items()}
+
+
+def reference_rewards(body, head, ids, tag_id) -> np.ndarray:
+    """float64: transformers' Qwen2 body → final-norm hidden states → Linear → ReLU → Linear → softmax[1]."""
+    with torch.no_grad():
+        h = body(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    h = h[torch.tensor(ids) == tag_id]
+    z = torch.relu(h @ head["score.0.weight"].T + head["score.0.bias"]) @ head["score.2.weight"].T + head["score.2.bias"]
+    return torch.softmax(z, dim=-1)[:, 1].numpy()
+
+
+@pytest.fixture(scope="module")
+def prm(tiny_prm):
+    return ProcessRewardModel(ModelSource("hf", tiny_prm[0], "tiny-prm"), device="cpu", dtype="fp32")
+
+
+def test_conversation_format(prm):
+    text = prm.conversation_text(QUESTION, STEPS[:2])
+    assert text == (f"<|im_start|>system\n{PRM_SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
+                    f"<|im_start|>assistant\n{STEPS[0]}<extra_0>{STEPS[1]}<extra_0>")
+    # a step as the rescue loop commits it (ending in a paragraph break) is stripped before its tag
+    assert prm.conversation_text(QUESTION, [STEPS[0] + "\n\n"]) == prm.conversation_text(QUESTION, STEPS[:1])
+
+
+def test_step_rewards_match_float64_reference(prm, tiny_prm):
+    _, body, head = tiny_prm
+    ids = prm.tokenizer.encode(prm.conversation_text(QUESTION, STEPS))
+    assert ids.count(prm.tag_id) == len(STEPS)
+    want = reference_rewards(body, head, ids, prm.tag_id)
+    got = np.array(prm.step_rewards(QUESTION, STEPS))
+    assert got.shape == (3,) and np.all((0 < got) & (got < 1))
+    assert np.abs(want - got).max() < 1e-5, (want, got)
+    assert np.ptp(want) > 1e-3  # the steps get different rewards: the check is not of a constant
+
+
+def test_last_step_reward_reuses_the_prefix_and_agrees_with_a_full_forward(prm, tiny_prm):
+    _, body, head = tiny_prm
+    for cand in ["So 16 - 7 = 9 eggs are left.", "So 16 + 7 = 23 eggs are left."]:  # same committed prefix
+        ids = prm.tokenizer.encode(prm.conversation_text(QUESTION, STEPS[:1] + [cand]))
+        want = reference_rewards(body, head, ids, prm.tag_id)[-1]
+        assert prm.last_step_reward(QUESTION, STEPS[:1] + [cand]) == pytest.approx(want, abs=1e-5)
+    assert prm._prefix_ids == prm.tokenizer.encode(prm.conversation_text(QUESTION, STEPS[:1]))
+    first = prm.tokenizer.encode(prm.conversation_text(QUESTION, STEPS[:1]))  # no committed step yet
+    assert prm.last_step_reward(QUESTION, STEPS[:1]) == pytest.approx(
+        reference_rewards(body, head, first, prm.tag_id)[-1], abs=1e-5)
+
+
+def test_a_directory_without_score_head_is_refused(tiny_prm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_prm[0]
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((src / name).read_text())
+    save_file({k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("score.")},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="not a process reward model"):
+        ProcessRewardModel(ModelSource("hf", tmp_path, "no-head"), device="cpu", dtype="fp32")
+
+
+def test_prm_scores_a_rescue_run_from_the_cli(tiny_prm, tmp_path):
+    """--prm plugs a real PRM into the loop (llama.cpp base, for speed); the JSON names it as the scorer."""
+    from test_cli import zoomr
+
+    out = tmp_path / "run.json"
+    r = zoomr("solve", "-p", QUESTION, "--rescue", "--backend", "llamacpp", "-t", "1", "--prm", str(tiny_prm[0]),
+              "--max-steps", "1", "--step-tokens", "6", "--nb", "1", "--nh", "1", "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["scorer"].startswith("PRM tiny-prm")
+    scores = [e["score"] for e in rec["events"] if e["event"] == "candidate_scored"]
+    assert len(scores) == 2 and all(0 < s < 1 for s in scores)
+    assert rec["steps"][0]["score"] == max(scores)

@@ -1,0 +1,189 @@
+"""``zoomr bench``: accuracy, fidelity to full KV, memory and speed of KV policies on a math data set.
+
+Each (problem, policy, budget) cell is appended to ``records.jsonl`` the moment it finishes; ``--resume``
+skips every cell already there, so a crash or ``kill -9`` loses at most the cell in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from backends.chat_template import prompt_ids, render_chat
+
+from .bench_log import RecordLog, record_key
+from .bench_metrics import summarize
+from .bench_plots import write_plots
+from .bench_run import run_cell
+from .datasets import load_problems
+from .errors import UserError
+from .factory import build_backend, with_policy
+from .options import POLICIES, RunOptions, model_options
+from .render import Output
+from .solve import solve_messages
+
+BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
+
+
+def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    """(policy, budget) cells per problem, full first (the fidelity reference); unbudgeted policies once."""
+    cells = [("full", None)]
+    cells += [(p, None) for p in policies if p not in BUDGETED and p != "full"]
+    cells += [(p, b) for b in budgets for p in policies if p in BUDGETED]
+    return cells
+
+
+def _table(rows: list[dict]) -> Table:
+    t = Table(title="zoomr bench", show_lines=False)
+    for col in ("policy", "budget", "n", "acc", "top-1", "KL", "active KV", "peak", "saving ×", "tok/s",
+                "gen tok", "degen"):
+        t.add_column(col, justify="right" if col not in ("policy",) else "left")
+
+    def f(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    for r in rows:
+        t.add_row(r["policy"], "—" if r["budget"] is None else str(r["budget"]), str(r["problems"]),
+                  f(r["accuracy"], ".2f"), f(r["fidelity_top1"], ".3f"), f(r["fidelity_kl"], ".3f"),
+                  f(r["kv_mean_active_tokens"], ".0f"), str(r["kv_peak_active_tokens"]), f(r["saving"], ".2f"),
+                  f(r["decode_tok_s"], ".1f"), f(r["mean_generated_tokens"], ".0f"), f(r["degeneration_rate"], ".2f"))
+    return t
+
+
+def bench(
+    budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several.")] = None,
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(POLICIES),
+    dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
+                                         "path or a hub data set id.")] = "gsm8k",
+    limit: Annotated[Optional[int], typer.Option("--limit", help="First N problems only.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default bench_out/<dataset>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Skip cells already in <out>/records.jsonl.")] = False,
+    match_budget: Annotated[bool, typer.Option("--match-budget", help="Baselines get zoomr's measured mean active "
+                                               "KV as budget (the paper's fair comparison).")] = False,
+    fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="Teacher-forced fidelity to full KV.")] = True,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
+    *,
+    opts: RunOptions,
+) -> int:
+    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, degeneration."""
+    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [p for p in chosen if p not in POLICIES]
+    if bad or not chosen:
+        raise UserError(f"--policies: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(POLICIES)})")
+    budgets = sorted(set(budget or [64]))
+    if min(budgets) < 1:
+        raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
+    if match_budget and "zoomr" not in chosen:
+        raise UserError("--match-budget needs zoomr among --policies (its measured KV sets the budget)")
+    sampling = opts.sampling(default_temp=0.0)
+    name, problems = load_problems(dataset, limit)
+    out = Path(out_dir or f"bench_out/{Path(name).name.replace('/', '_')}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
+              "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
+              "match_budget": match_budget, "fidelity": fidelity}
+    log = _open_log(out, config, resume)
+    ui = Output(live=not no_live)
+    with ui.status("loading model…"):
+        base = build_backend(replace(opts, policy="full"))
+    if base.name != "torch":
+        raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
+    ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
+
+    cells = plan_cells(chosen, [] if match_budget else budgets)
+    if match_budget:
+        cells = [c for c in cells if c[0] in ("full", "zoomr", "sumr")] + [(p, "matched") for p in chosen if p in BUDGETED]
+    total = len(problems) * len(cells)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    task = progress.add_task("bench", total=total)
+    live = Live(Group(progress, _table(summarize(log.records))), refresh_per_second=2, transient=False,
+                console=ui.err) if not no_live else None
+    try:
+        if live:
+            live.start()
+        for problem in problems:
+            pending = [(p, b) for p, b in cells if record_key(problem.id, p, b) not in log.done]
+            if not pending:
+                progress.advance(task, len(cells))
+                continue
+            progress.advance(task, len(cells) - len(pending))
+            ids = prompt_ids(base.tokenizer, render_chat(base.tokenizer, solve_messages(problem.question)))
+            reference = None
+            if fidelity and any(p != "full" for p, _ in pending):
+                # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
+                pending = [("full", None)] + [c for c in pending if c[0] != "full"]
+            for policy, b in pending:
+                budget_tokens = _matched_budget(log, problem.id) if b == "matched" else b
+                progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
+                view = with_policy(base, replace(opts, policy=policy, budget=budget_tokens or opts.budget))
+                rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
+                                      None if policy == "full" or not fidelity else reference,
+                                      keep_logits=policy == "full" and fidelity)
+                if policy == "full":
+                    reference = built
+                if record_key(problem.id, policy, b) in log.done:
+                    continue  # a reference rerun, recorded before
+                log.append({"problem_id": problem.id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
+                            "gold": problem.gold, **rec})
+                if no_live:
+                    print(_plain(log.records[-1]), flush=True)
+                progress.advance(task)
+                if live:
+                    live.update(Group(progress, _table(summarize(log.records))))
+    finally:
+        if live:
+            live.stop()
+        _finish(out, config, log, ui)
+    return 0
+
+
+def _matched_budget(log: RecordLog, problem_id: str) -> int:
+    """zoomr's measured mean active KV on this problem (tokens), the budget the baselines get."""
+    for r in log.records:
+        if r["problem_id"] == problem_id and r["policy"] == "zoomr":
+            return max(1, round(r["kv_mean_active_tokens"]))
+    raise UserError("internal order error: zoomr must run before the matched baselines")
+
+
+def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
+    cfg_path, rec_path = out / "config.json", out / "records.jsonl"
+    if rec_path.exists() and rec_path.stat().st_size and not resume:
+        raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
+    if resume and cfg_path.exists():
+        old = json.loads(cfg_path.read_text())
+        diff = [k for k in config if old.get(k) != config[k]]
+        if diff:
+            raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
+    cfg_path.write_text(json.dumps(config, indent=2))
+    return RecordLog(rec_path)
+
+
+def _plain(rec: dict) -> str:
+    fid = "" if rec.get("fidelity_top1") is None else f" top1={rec['fidelity_top1']:.3f} kl={rec['fidelity_kl']:.3f}"
+    return (f"{rec['problem_id']} {rec['policy']} B={rec['budget']} correct={rec['correct']} "
+            f"tokens={rec['tokens_generated']} activeKV={rec['kv_mean_active_tokens']:.0f}{fid}")
+
+
+def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
+    """summary.json, plots and the final table from whatever records exist (also after Ctrl-C)."""
+    rows = summarize(log.records)
+    (out / "summary.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    plots = write_plots(rows, log.records, out) if log.records else []
+    if ui.live:
+        ui.out.print(_table(rows))
+    else:
+        for r in rows:
+            print(json.dumps(r))
+    ui.info(f"records: {out / 'records.jsonl'} · summary: {out / 'summary.json'} · plots: "
+            + ", ".join(str(p) for p in plots))
+
+
+bench_command = model_options(exclude=("budget", "policy"), n_predict=256)(bench)

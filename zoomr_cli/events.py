@@ -1,0 +1,181 @@
+"""The KV-Rescue event stream: everything the rescue loop does, as typed events, fanned out to subscribers.
+
+One stream feeds the live view, the ``--json`` transcript and the tests, so what is shown, what is
+recorded and what is checked are the same facts. Subscribers are called synchronously, in order,
+on the loop's thread; an event is never changed after it is emitted.
+
+Terms: a *step* is one paragraph of reasoning (ends at ``\\n\\n``, EOS or the step-token limit);
+a *candidate* is one sampled continuation for the current step from the ``base`` (evicted KV) or
+the ``helper`` (full KV); the winner is *committed* to the shared trajectory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, ClassVar
+
+
+class Event:
+    """Base of every event; ``kind`` names it in JSON."""
+
+    kind: ClassVar[str] = "event"
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict: ``{"event": kind, **fields}``."""
+        return {"event": self.kind, **asdict(self)}
+
+
+@dataclass
+class RunStarted(Event):
+    """The loop starts: models, scorer and settings (a JSON-ready dict)."""
+
+    kind: ClassVar[str] = "run_started"
+    problem: str
+    base: str
+    helper: str
+    scorer: str
+    settings: dict
+    prompt_tokens: dict  # role → prompt length in that model's tokens
+
+
+@dataclass
+class CandidateStarted(Event):
+    """Candidate ``cand`` (0-based within the step) of ``step`` starts sampling from ``source``."""
+
+    kind: ClassVar[str] = "candidate_started"
+    step: int
+    cand: int
+    source: str
+
+
+@dataclass
+class CandidateToken(Event):
+    """One sampled token of a candidate, with the detector's readings after it.
+
+    Attributes:
+        token: id; text: the text it completed; n: tokens of the candidate so far.
+        entropy: of the distribution it was sampled from (nats); mean_entropy: over the detector's window.
+        gzip_ratio: of the compression window now.
+    """
+
+    kind: ClassVar[str] = "token"
+    step: int
+    cand: int
+    source: str
+    token: int
+    text: str
+    n: int
+    entropy: float
+    mean_entropy: float
+    gzip_ratio: float
+
+
+@dataclass
+class CandidateFinished(Event):
+    """A candidate ended normally: ``stop_reason`` is ``stop`` (``\\n\\n``), ``eos``, ``length`` or ``context``."""
+
+    kind: ClassVar[str] = "candidate_finished"
+    step: int
+    cand: int
+    source: str
+    stop_reason: str
+    tokens: int
+    text: str
+
+
+@dataclass
+class CandidateAborted(Event):
+    """The degeneration detector stopped a base candidate mid-generation.
+
+    Attributes:
+        reason: ``entropy`` or ``repetition``; signals: the detector's values at the abort.
+    """
+
+    kind: ClassVar[str] = "candidate_aborted"
+    step: int
+    cand: int
+    source: str
+    reason: str
+    tokens: int
+    signals: dict
+    text: str
+
+
+@dataclass
+class CandidateScored(Event):
+    """The scorer's value for a surviving candidate (higher is better)."""
+
+    kind: ClassVar[str] = "candidate_scored"
+    step: int
+    cand: int
+    source: str
+    score: float
+    scorer: str
+
+
+@dataclass
+class StepCommitted(Event):
+    """The best candidate became part of the trajectory.
+
+    Attributes:
+        tokens: the step's tokens in its source model (tokens).
+        rebase: tokens each role prefilled to follow the commit ({"base": n, "helper": m}); the
+            winner's own role prefills nothing (its fork became its state).
+        final: the step ended the solution (EOS).
+    """
+
+    kind: ClassVar[str] = "step_committed"
+    step: int
+    cand: int
+    source: str
+    score: float
+    text: str
+    tokens: int
+    candidates: int
+    survivors: int
+    rebase: dict
+    final: bool
+
+
+@dataclass
+class KVSnapshot(Event):
+    """KV statistics of one role's committed state after a re-base (``KVStats.as_dict()``)."""
+
+    kind: ClassVar[str] = "kv"
+    step: int
+    role: str
+    stats: dict
+
+
+@dataclass
+class RunFinished(Event):
+    """The loop ended.
+
+    Attributes:
+        answer: the extracted final answer or None.
+        stop_reason: ``eos``, ``max_steps``, ``context``, ``degenerate`` (every candidate of a step was
+            aborted and there was no helper candidate) or ``interrupted`` (Ctrl-C).
+        steps: committed steps; seconds: wall time of the loop (seconds).
+    """
+
+    kind: ClassVar[str] = "run_finished"
+    answer: str | None
+    stop_reason: str
+    steps: int
+    seconds: float
+
+
+@dataclass
+class EventStream:
+    """Synchronous fan-out of :class:`Event` objects to subscribers."""
+
+    subscribers: list[Callable[[Event], None]] = field(default_factory=list)
+
+    def subscribe(self, fn: Callable[[Event], None]) -> None:
+        """Call ``fn(event)`` for every event from now on."""
+        self.subscribers.append(fn)
+
+    def emit(self, event: Event) -> None:
+        """Deliver ``event`` to every subscriber, in subscription order."""
+        for fn in self.subscribers:
+            fn(event)
