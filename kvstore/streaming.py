@@ -27,15 +27,7 @@ class StreamingPolicy(KVPolicy):
     name = "streaming"
 
     def __init__(self, budget: int, sink: int = 4, window: int | None = None):
-        if budget < 1:
-            raise ValueError(f"--budget must be at least 1 token, got {budget}")
-        if sink < 0:
-            raise ValueError(f"--sink must be >= 0, got {sink}")
-        window = budget - sink if window is None else window
-        if window < 1:
-            raise ValueError(f"streaming: --budget {budget} leaves no recent window after --sink {sink}")
-        if sink + window > budget:
-            raise ValueError(f"streaming: --budget {budget} is smaller than --sink {sink} + --window {window}")
+        window = streaming_window(budget, sink, window)
         self.budget, self.sink, self.window = budget, sink, window
         self.slack = 1   # the token being decoded is attended before the next eviction
 
@@ -49,3 +41,21 @@ class StreamingPolicy(KVPolicy):
 
     def describe(self) -> str:
         return f"streaming(B={self.budget}, sink={self.sink}, window={self.window})"
+
+
+def streaming_window(budget: int, sink: int, window: int | None) -> int:
+    """The recent window of StreamingLLM under ``budget`` (tokens): ``budget − sink`` unless given.
+
+    Raises:
+        ValueError: budget < 1, sink < 0, no room for a window, or sink + window > budget.
+    """
+    if budget < 1:
+        raise ValueError(f"--budget must be at least 1 token, got {budget}")
+    if sink < 0:
+        raise ValueError(f"--sink must be >= 0, got {sink}")
+    window = budget - sink if window is None else window
+    if window < 1:
+        raise ValueError(f"streaming: --budget {budget} leaves no recent window after --sink {sink}")
+    if sink + window > budget:
+        raise ValueError(f"streaming: --budget {budget} is smaller than --sink {sink} + --window {window}")
+    return window

@@ -16,13 +16,13 @@ from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 ARGS = ["bench", "--dataset", "gsm8k", "--limit", "3", "-n", "8", "--budget", "16", "--no-live"]
-POLICIES = "full,streaming,h2o,snapkv,rkv,sumr,zoomr"
+POLICIES = "full,streaming,rkv,zoomr"  # one of each kind: reference, budgeted, score-based, segmented
 
 
 def test_three_problem_bench_writes_everything(tmp_path):
     out = tmp_path / "b"
     r = subprocess.run(zoomr_cmd() + ARGS + ["--policies", POLICIES, "--out", str(out)], capture_output=True,
-                       text=True, cwd=ROOT, env=ENV, timeout=900)
+                       text=True, cwd=ROOT, env=ENV, timeout=1800)
     assert r.returncode == 0, r.stderr
     for f in ("records.jsonl", "summary.json", "config.json", "accuracy_vs_kv.png", "fidelity_vs_kv.png",
               "active_kv_vs_generated.png"):
@@ -43,14 +43,14 @@ def test_resume_after_sigkill_records_each_cell_once(tmp_path):
     cmd = zoomr_cmd() + ARGS + ["--policies", "full,streaming,zoomr", "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=ENV)
     rec_path = out / "records.jsonl"
-    deadline = time.time() + 600
+    deadline = time.time() + 1200
     while time.time() < deadline and (not rec_path.exists() or rec_path.read_text().count("\n") < 2):
         time.sleep(0.2)
     p.send_signal(signal.SIGKILL)
     p.wait()
     before = rec_path.read_text().count("\n")
     assert 2 <= before < 9
-    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=900)
+    r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1800)
     assert r.returncode == 0, r.stderr
     keys = Counter((j["problem_id"], j["policy"], j["budget"])
                    for j in map(json.loads, rec_path.read_text().splitlines()))

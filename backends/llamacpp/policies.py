@@ -164,15 +164,9 @@ STREAMING_BUFFER = 16  # tokens between evictions, see StreamingPolicy
 
 
 def _streaming(n_ctx: int, budget: int, window: int | None, sink: int, buffer: int) -> StreamingPolicy:
-    if budget < 1:
-        raise ValueError(f"--budget must be at least 1 token, got {budget}")
-    if sink < 0:
-        raise ValueError(f"--sink must be >= 0, got {sink}")
-    window = budget - sink if window is None else window
-    if window < 1:
-        raise ValueError(f"streaming: --budget {budget} leaves no recent window after --sink {sink}")
-    if sink + window > budget:
-        raise ValueError(f"streaming: --budget {budget} is smaller than --sink {sink} + --window {window}")
+    from kvstore.streaming import streaming_window
+
+    window = streaming_window(budget, sink, window)
     if buffer < 1:
         raise ValueError(f"streaming: the eviction buffer must be at least 1 token, got {buffer}")
     if sink + window + buffer > n_ctx:
