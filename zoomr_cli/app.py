@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import sys
 
-import click
+import importlib
+
 import typer
 
 from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, UserError, fail
 
 
 def _click_classes(name: str) -> tuple[type, ...]:
-    """``name`` from click and from typer's vendored copy of click (typer >= 0.2x raises the latter)."""
-    found = [getattr(click.exceptions, name)]
-    try:
-        from typer._click import exceptions as vendored
-    except ImportError:
-        vendored = None
-    if vendored is not None and hasattr(vendored, name):
-        found.append(getattr(vendored, name))
+    """Exception class ``name`` from typer's vendored click (typer >= 0.2x) and from click, where present."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if cls is not None:
+            found.append(cls)
     return tuple(found)
 
 
