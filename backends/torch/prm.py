@@ -18,7 +18,6 @@ and forked per candidate (the "shared prefix" the paper batches); only the candi
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ from kvstore.base import FullKVCache
 from .config import ModelConfig
 from .engine import pick_device, pick_dtype
 from .model import Decoder
-from .weights import ModelLoadError, _check_complete, _load_safetensors_f32
+from .weights import ModelLoadError, _check_complete, read_hf_dir
 
 STEP_TAG = "<extra_0>"
 PRM_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -51,19 +50,7 @@ def load_prm_dir(source: ModelSource) -> tuple[ModelConfig, dict[str, np.ndarray
     if source.kind != "hf":
         raise ModelLoadError(f"{source.path}: a PRM must be a HF model directory or hub id (got a GGUF file)")
     path = source.path
-    try:
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}/config.json: {e}") from None
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            tensors.update(_load_safetensors_f32(f))
-        except Exception as e:
-            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+    cfg, tensors = read_hf_dir(path)
     missing = [n for n in HEAD if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: not a process reward model (no {missing[0]}: expected the score head "

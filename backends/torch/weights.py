@@ -149,10 +149,21 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Read a HF model directory (``config.json`` + ``*.safetensors``).
+    """Read a HF causal-LM directory (``config.json`` + ``*.safetensors``) and check every tensor is there.
 
     Returns:
         (config, float32 tensors under HF names, metadata dict).
+    Raises:
+        ModelLoadError: no config.json, no or corrupt safetensors, unsupported architecture, missing tensors.
+    """
+    cfg, tensors = read_hf_dir(path)
+    _check_complete(cfg, tensors, str(path))
+    return cfg, tensors, {}
+
+
+def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 tensors of a HF directory, without checking which tensors exist (heads vary).
+
     Raises:
         ModelLoadError: no config.json, no or corrupt safetensors, unsupported architecture.
     """
@@ -169,12 +180,10 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         try:
-            part = _load_safetensors_f32(f)
+            tensors.update(_load_safetensors_f32(f))
         except Exception as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
-        tensors.update(part)
-    _check_complete(cfg, tensors, str(path))
-    return cfg, tensors, {}
+    return cfg, tensors
 
 
 def _load_safetensors_f32(f: Path) -> dict[str, np.ndarray]:
