@@ -5,7 +5,6 @@ different from hidden/heads. Checkpoints are written by the test in HF safetenso
 through zoomr's own HF-directory loader.
 """
 
-import json
 
 import numpy as np
 import pytest
