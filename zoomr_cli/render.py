@@ -21,7 +21,7 @@ def stats_line(gen: GenerationStats, kv: KVStats) -> str:
             f"decode {gen.generated_tokens} tok @ {gen.decode_tok_s:.1f} tok/s · "
             f"KV {kv.active_tokens}/{kv.full_tokens} tok active/full "
             f"({mib(kv.active_bytes)} / {mib(kv.full_bytes)}, peak {kv.peak_active_tokens} tok) · "
-            f"stop: {gen.stop_reason}")
+            f"stop: {gen.stop_reason or '—'}")
 
 
 class Output:
