@@ -12,7 +12,8 @@ import numpy as np
 from conftest import ROOT, zoomr_cmd
 from zoomr_cli.bench import plan_cells
 from zoomr_cli.bench_log import RecordLog
-from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction
+from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction, summarize
+from zoomr_cli.bench_rescue import rescue_rows
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 ARGS = ["bench", "--dataset", "gsm8k", "--limit", "3", "-n", "8", "--budget", "16", "--no-live"]
@@ -76,3 +77,68 @@ def test_fidelity_meter_and_recovered_fraction():
     assert res["fidelity_top1"] == 0.5 and res["fidelity_kl"] > 0
     assert recovered_fraction(0.8, 0.5, 0.9) == (0.8 - 0.5) / (0.9 - 0.5)
     assert recovered_fraction(0.5, 0.5, 0.5) is None
+
+
+def _records(out):
+    return [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines()]
+
+
+def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
+    out = tmp_path / "b"
+    small = ["bench", "--dataset", "gsm8k", "--limit", "2", "-n", "12", "--no-live", "--policies", "full",
+             "--out", str(out)]
+    r = subprocess.run(zoomr_cmd() + small, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1200)
+    assert r.returncode == 0, r.stderr
+    rescue = ["--rescue", "--budget", "16", "--nb", "1", "--nh", "1", "--step-tokens", "6", "--resume"]
+    r = subprocess.run(zoomr_cmd() + small + rescue, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    recs = _records(out)
+    keys = Counter((j["problem_id"], j["policy"], j["budget"]) for j in recs)
+    assert set(keys.values()) == {1} and len(keys) == 2 * 3  # full kept, best-of-n and rescue added
+    for rec in recs:
+        if rec["policy"] == "best-of-n":  # eviction-only: the helper never proposes a step
+            assert rec["candidates"]["helper"] == 0 and rec["helper_share"] == 0 and rec["base_tokens"] > 0
+        if rec["policy"] == "rescue":
+            assert rec["candidates"]["helper"] == rec["steps"] and rec["candidates"]["base"] == rec["steps"]
+            assert 0 <= rec["helper_share"] <= 1 and rec["tokens_generated"] <= 12
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["rescue"]["nb"] == 1 and summary["config"]["n_predict"] == 12
+    (row,) = summary["rescue"]
+    bon = [r["base_tokens"] for r in recs if r["policy"] == "best-of-n"]
+    res = [r["base_tokens"] for r in recs if r["policy"] == "rescue"]
+    assert row["budget"] == 16 and abs(row["base_token_ratio"] - sum(res) / sum(bon)) < 1e-9
+    # changing a rescue setting on resume is refused, not mixed into the same records
+    r = subprocess.run(zoomr_cmd() + small + rescue[:-1] + ["--nh", "2", "--resume"], capture_output=True,
+                       text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert r.returncode == 2 and "rescue" in r.stderr
+
+
+def test_match_budget_gives_baselines_zoomrs_measured_kv(tmp_path):
+    out = tmp_path / "m"
+    r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "1", "-n", "16", "--no-live",
+                                      "--no-fidelity", "--policies", "streaming,zoomr", "--match-budget",
+                                      "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr
+    by = {rec["policy"]: rec for rec in _records(out)}
+    assert set(by) == {"full", "zoomr", "streaming"}
+    assert by["streaming"]["budget"] == "matched"
+    assert by["streaming"]["budget_tokens"] == max(1, round(by["zoomr"]["kv_mean_active_tokens"]))
+    assert by["streaming"]["kv_peak_active_tokens"] <= by["streaming"]["budget_tokens"] + 1
+
+
+def test_rescue_rows_recovered_fraction_and_base_token_ratio():
+    def rec(policy, budget, correct, **kw):
+        return {"problem_id": kw.pop("pid", "0"), "policy": policy, "budget": budget, "correct": correct,
+                "kv_mean_active_tokens": 64, "kv_peak_active_tokens": 70, "kv_mean_active_bytes": 1, "full_bytes": 2,
+                "saving": 2.0, "decode_tok_s": 1.0, "tokens_generated": 10, "degenerate": not correct, **kw}
+
+    records = [rec("full", None, True), rec("full", None, True, pid="1"),
+               rec("best-of-n", 64, False, base_tokens=300, helper_share=0.0),
+               rec("best-of-n", 64, False, base_tokens=500, helper_share=0.0, pid="1"),
+               rec("rescue", 64, True, base_tokens=100, helper_share=0.5),
+               rec("rescue", 64, False, base_tokens=300, helper_share=0.25, pid="1")]
+    (row,) = rescue_rows(summarize(records))
+    assert row["acc_full"] == 1.0 and row["acc_best_of_n"] == 0.0 and row["acc_rescue"] == 0.5
+    assert row["recovered_fraction"] == 0.5 and row["helper_share"] == 0.375
+    assert row["base_token_ratio"] == 200 / 400 and row["degeneration_best_of_n"] == 1.0

@@ -25,3 +25,20 @@ def test_equivalent_pairs(gold, pred):
 @pytest.mark.parametrize("gold,pred", [("72", "27"), ("0.5", r"\frac{1}{3}"), ("72", None), ("72", "")])
 def test_non_equivalent_pairs(gold, pred):
     assert not grade(gold, pred)
+
+
+@pytest.mark.parametrize("gold,pred", [("18", r"18 \text{ dollars}"), ("18", r"\$18"), ("5", r"5\text{ cm}"),
+                                       ("90", r"90^\circ"), ("2,000", "2000"), (r"\frac{1}{2}", r"\dfrac{1}{2}")])
+def test_units_and_formatting_are_ignored(gold, pred):
+    assert grade(gold, pred)
+
+
+@pytest.mark.parametrize("gold,pred", [("5", r"6\text{ cm}"), ("18", r"\$81"), (r"\frac{1}{2}", r"\frac{2}{1}")])
+def test_units_do_not_hide_a_wrong_number(gold, pred):
+    assert not grade(gold, pred)
+
+
+def test_boxed_with_nested_braces_is_graded_whole():
+    answer = extract_answer(r"Thus $x = \boxed{\frac{\sqrt{3}}{2}}$.")
+    assert answer == r"\frac{\sqrt{3}}{2}"
+    assert grade(r"\frac{\sqrt3}{2}", answer) and not grade(r"\frac{\sqrt2}{2}", answer)

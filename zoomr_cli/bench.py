@@ -22,12 +22,15 @@ from backends.chat_template import prompt_ids, render_chat
 from .bench_log import RecordLog, record_key
 from .bench_metrics import summarize
 from .bench_plots import write_plots
+from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows
+from .bench_rescue import plan as plan_rescue_cells
 from .bench_run import run_cell
 from .datasets import load_problems
 from .errors import UserError
 from .factory import build_backend, with_policy
 from .options import POLICIES, RunOptions, model_options
 from .render import Output
+from .rescue_options import RescueOptions, rescue_options
 from .solve import solve_messages
 
 BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
@@ -58,6 +61,20 @@ def _table(rows: list[dict]) -> Table:
     return t
 
 
+def _rescue_table(rows: list[dict]) -> Table:
+    t = Table(title="KV-Rescue vs eviction-only best-of-N")
+    cols = (("budget", "budget", ""), ("A full", "acc_full", ".2f"), ("A best-of-N", "acc_best_of_n", ".2f"),
+            ("A rescue", "acc_rescue", ".2f"), ("recovered", "recovered_fraction", ".0%"),
+            ("helper share", "helper_share", ".0%"), ("base tok rescue", "base_tokens_rescue", ".0f"),
+            ("base tok best-of-N", "base_tokens_best_of_n", ".0f"), ("ratio", "base_token_ratio", ".2f"),
+            ("degen rescue", "degeneration_rescue", ".2f"), ("degen best-of-N", "degeneration_best_of_n", ".2f"))
+    for head, _, _ in cols:
+        t.add_column(head, justify="right")
+    for r in rows:
+        t.add_row(*("—" if r[key] is None else format(r[key], fmt) if fmt else str(r[key]) for _, key, fmt in cols))
+    return t
+
+
 def bench(
     budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several.")] = None,
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(POLICIES),
@@ -72,8 +89,13 @@ def bench(
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
     *,
     opts: RunOptions,
+    rescue: RescueOptions,
 ) -> int:
-    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, degeneration."""
+    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, degeneration.
+
+    With --rescue, every budget also runs KV-Rescue (base evicting by --base-policy + full-KV helper) and
+    the eviction-only best-of-N baseline: recovered fraction, helper share and base tokens are reported.
+    """
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in chosen if p not in POLICIES]
     if bad or not chosen:
@@ -90,17 +112,26 @@ def bench(
     config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
               "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
               "match_budget": match_budget, "fidelity": fidelity}
+    rescue_plan = None
+    if rescue.rescue:
+        rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
     log = _open_log(out, config, resume)
     ui = Output(live=not no_live)
     with ui.status("loading model…"):
         base = build_backend(replace(opts, policy="full"))
     if base.name != "torch":
         raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
+    rescue_cells = None
+    if rescue_plan is not None:
+        with ui.status("loading helper and scorer…"):
+            rescue_cells = RescueCells(base, opts, rescue_plan)
     ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
 
     cells = plan_cells(chosen, [] if match_budget else budgets)
     if match_budget:
         cells = [c for c in cells if c[0] in ("full", "zoomr", "sumr")] + [(p, "matched") for p in chosen if p in BUDGETED]
+    if rescue_cells:
+        cells += RescueCells.cells(["matched"] if match_budget else budgets)
     total = len(problems) * len(cells)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     task = progress.add_task("bench", total=total)
@@ -117,16 +148,19 @@ def bench(
             progress.advance(task, len(cells) - len(pending))
             ids = prompt_ids(base.tokenizer, render_chat(base.tokenizer, solve_messages(problem.question)))
             reference = None
-            if fidelity and any(p != "full" for p, _ in pending):
+            if fidelity and any(p not in ("full", RESCUE, BEST_OF_N) for p, _ in pending):
                 # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
                 pending = [("full", None)] + [c for c in pending if c[0] != "full"]
             for policy, b in pending:
                 budget_tokens = _matched_budget(log, problem.id) if b == "matched" else b
                 progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
-                view = with_policy(base, replace(opts, policy=policy, budget=budget_tokens or opts.budget))
-                rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
-                                      None if policy == "full" or not fidelity else reference,
-                                      keep_logits=policy == "full" and fidelity)
+                if policy in (RESCUE, BEST_OF_N):
+                    rec, built = rescue_cells.run(policy, budget_tokens or opts.budget, problem, opts.n_predict), None
+                else:
+                    view = with_policy(base, replace(opts, policy=policy, budget=budget_tokens or opts.budget))
+                    rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
+                                          None if policy == "full" or not fidelity else reference,
+                                          keep_logits=policy == "full" and fidelity)
                 if policy == "full":
                     reference = built
                 if record_key(problem.id, policy, b) in log.done:
@@ -159,15 +193,19 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
     if resume and cfg_path.exists():
         old = json.loads(cfg_path.read_text())
-        diff = [k for k in config if old.get(k) != config[k]]
+        # a setting the old run did not have (e.g. --rescue added later) only adds cells: allowed
+        diff = [k for k in config if k in old and old[k] != config[k]]
         if diff:
             raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
+        config.update({k: v for k, v in old.items() if k not in config})
     cfg_path.write_text(json.dumps(config, indent=2))
     return RecordLog(rec_path)
 
 
 def _plain(rec: dict) -> str:
     fid = "" if rec.get("fidelity_top1") is None else f" top1={rec['fidelity_top1']:.3f} kl={rec['fidelity_kl']:.3f}"
+    if "helper_share" in rec:
+        fid += f" steps={rec['steps']} helper={rec['helper_share']:.2f} base_tokens={rec['base_tokens']}"
     return (f"{rec['problem_id']} {rec['policy']} B={rec['budget']} correct={rec['correct']} "
             f"tokens={rec['tokens_generated']} activeKV={rec['kv_mean_active_tokens']:.0f}{fid}")
 
@@ -175,15 +213,19 @@ def _plain(rec: dict) -> str:
 def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     """summary.json, plots and the final table from whatever records exist (also after Ctrl-C)."""
     rows = summarize(log.records)
-    (out / "summary.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    rescue = rescue_rows(rows)
+    summary = {"config": config, "rows": rows, **({"rescue": rescue} if rescue else {})}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plots = write_plots(rows, log.records, out) if log.records else []
     if ui.live:
         ui.out.print(_table(rows))
+        if rescue:
+            ui.out.print(_rescue_table(rescue))
     else:
-        for r in rows:
+        for r in rows + rescue:
             print(json.dumps(r))
     ui.info(f"records: {out / 'records.jsonl'} · summary: {out / 'summary.json'} · plots: "
             + ", ".join(str(p) for p in plots))
 
 
-bench_command = model_options(exclude=("budget", "policy"), n_predict=256)(bench)
+bench_command = model_options(exclude=("budget", "policy"), n_predict=256, top_k=20)(rescue_options(bench))

@@ -51,7 +51,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
     Row fields: policy, budget, problems, accuracy, fidelity_top1, fidelity_kl, kv_mean_active_tokens,
     kv_peak_active_tokens, kv_mean_active_bytes, full_bytes, saving (×, mean over problems of full/active
-    bytes at the end of a run), decode_tok_s, mean_generated_tokens, degeneration_rate (hit the length cap without an answer).
+    bytes at the end of a run), decode_tok_s, mean_generated_tokens, degeneration_rate (hit the length cap without
+    an answer); helper_share and base_tokens (mean candidate tokens sampled by the base) for rescue cells.
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -73,6 +74,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "decode_tok_s": _mean([r["decode_tok_s"] for r in rs]),
             "mean_generated_tokens": _mean([r["tokens_generated"] for r in rs]),
             "degeneration_rate": _mean([float(r["degenerate"]) for r in rs]),
+            # rescue / best-of-N cells only (None elsewhere)
+            "helper_share": _mean([r.get("helper_share") for r in rs]),
+            "base_tokens": _mean([r.get("base_tokens") for r in rs]),
         })
     return rows
 

@@ -11,6 +11,7 @@ import contextlib
 import json
 import signal
 from pathlib import Path
+from typing import Callable
 
 from backends.chat_template import prompt_ids, render_chat
 from backends.models import resolve_model
@@ -21,7 +22,7 @@ from .factory import build_backend
 from .kv_display import system_with_summaries
 from .options import RunOptions
 from .render import Output, mib
-from .rescue import RescueLoop
+from .rescue import RescueConfig, RescueLoop
 from .rescue_engine import Engine
 from .rescue_options import RescueOptions, for_flag, plan_rescue
 from .rescue_record import Transcript
@@ -95,6 +96,32 @@ def print_summary(out: Output, s: dict) -> None:
             out.result("kv", _kv_line(role, s["kv"][role]), style="dim")
 
 
+def rescue_once(base, helper, scorer, sampler: Sampler, config: RescueConfig, question: str, base_ids: list[int],
+                helper_ids: list[int], settings: dict | None = None, observers=(),
+                stop_requested: Callable[[], bool] = lambda: False) -> tuple[str, Transcript]:
+    """One KV-Rescue run over already built models; both committed states are freed afterwards.
+
+    Args:
+        base: evicting backend; helper: full-KV backend; scorer: see :mod:`zoomr_cli.scorers`.
+        base_ids, helper_ids: each model's prompt (tokens).
+        observers: extra event subscribers (views), called after the transcript.
+    Returns:
+        (stop reason, the :class:`Transcript` of every event).
+    Raises:
+        ValueError: a prompt longer than ``config.max_context``.
+    """
+    events, transcript = EventStream(), Transcript()
+    for sub in (transcript, *observers):
+        events.subscribe(sub)
+    loop = RescueLoop(Engine("base", base), Engine("helper", helper), scorer, sampler, config, events,
+                      stop_requested)
+    try:
+        reason = loop.run(question, base_ids, helper_ids, settings)
+    finally:
+        loop.close()
+    return reason, transcript
+
+
 def run_rescue(problem: str, system: str | None, json_path: str | None, out: Output, opts: RunOptions,
                ropts: RescueOptions) -> int:
     """Run KV-Rescue on one problem; returns the exit code (0, or 130 after Ctrl-C).
@@ -115,19 +142,13 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     base_system = system_with_summaries(system, plan.base_opts.policy, opts.summaries)
     base_ids, helper_ids = _prompt(base, problem, base_system), _prompt(helper, problem, system)
 
-    events, transcript = EventStream(), Transcript()
-    events.subscribe(transcript)
     view = LiveView(out.out) if out.live else PlainView(out)
-    events.subscribe(view)
     ctrl_c = CtrlC()
-    loop = RescueLoop(Engine("base", base), Engine("helper", helper), scorer, sampler, plan.config, events, ctrl_c)
     settings = {"sampling": vars(sampler.params), "base_policy": plan.base_opts.policy, "budget": opts.budget,
                 "backend": opts.backend}
-    try:
-        with ctrl_c, (view if out.live else contextlib.nullcontext()):
-            reason = loop.run(problem, base_ids, helper_ids, settings)
-    finally:
-        loop.close()
+    with ctrl_c, (view if out.live else contextlib.nullcontext()):
+        reason, transcript = rescue_once(base, helper, scorer, sampler, plan.config, problem, base_ids, helper_ids,
+                                         settings, observers=(view,), stop_requested=ctrl_c)
     summary = transcript.summary()
     print_summary(out, summary)
     if json_path:
