@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from conftest import ROOT, zoomr_cmd
 from zoomr_cli.bench import plan_cells
@@ -59,6 +60,23 @@ def test_resume_after_sigkill_records_each_cell_once(tmp_path):
     # without --resume the same folder is refused rather than silently duplicated
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr
+
+
+def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
+    out = tmp_path / "c"
+    cmd = zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "2", "-n", "8", "--budget", "16", "--no-live",
+                         "--policies", "full,streaming", "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    rec_path = out / "records.jsonl"
+    deadline = time.time() + 1200
+    while time.time() < deadline and (not rec_path.exists() or rec_path.read_text().count("\n") < 1):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "zoomr: interrupted", err
+    kept = rec_path.read_text().count("\n")
+    assert 1 <= kept < 4 and "Traceback" not in err
+    assert len(json.loads((out / "summary.json").read_text())["rows"]) >= 1  # written on the way out
 
 
 def test_torn_last_line_is_dropped(tmp_path):
@@ -142,3 +160,38 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     assert row["acc_full"] == 1.0 and row["acc_best_of_n"] == 0.0 and row["acc_rescue"] == 0.5
     assert row["recovered_fraction"] == 0.5 and row["helper_share"] == 0.375
     assert row["base_token_ratio"] == 200 / 400 and row["degeneration_best_of_n"] == 1.0
+
+
+@pytest.mark.parametrize("case,args,needle", [
+    ("array", ["--dataset", "{d}"], "JSON object"),
+    ("null_answer", ["--dataset", "{d}"], "answer"),
+    ("empty_problem", ["--dataset", "{d}"], "empty"),
+    (None, ["-n", "0"], "-n 0"),
+    (None, ["-n", "-5"], "-n -5"),
+    (None, ["--policies", ","], "at least one"),
+    (None, ["--backend", "llamacpp"], "torch"),
+    (None, ["--rescue", "--base-policy", "full"], "must evict"),
+    ("out_is_file", ["--out", "{d}"], "--out"),
+    ("bad_record", ["--out", "{o}", "--resume"], "not a bench record"),
+    ("binary_record", ["--out", "{o}", "--resume"], "not a bench record"),
+    ("bad_config", ["--out", "{o}", "--resume"], "not a bench config"),
+])
+def test_bench_bad_input_is_one_line_exit_2(tmp_path, case, args, needle):
+    d, o = tmp_path / "data.jsonl", tmp_path / "out"
+    o.mkdir()
+    lines = {"array": "[1, 2]", "null_answer": '{"question": "1+1?", "answer": null}',
+             "empty_problem": '{"problem": "  ", "answer": "2"}'}
+    d.write_text(lines.get(case, '{"question": "1+1?", "answer": "2"}') + "\n")
+    if case == "bad_record":
+        (o / "records.jsonl").write_text("{}\n")
+    elif case == "binary_record":
+        (o / "records.jsonl").write_bytes(b"\xfe\xff\x00garbage\n")
+    elif case == "bad_config":
+        (o / "config.json").write_text("{nope")
+    cmd = ["bench", "--limit", "1", "-n", "4", "--no-live", *[a.format(d=d, o=o) for a in args]]
+    r = subprocess.run(zoomr_cmd() + cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("zoomr: error:") and needle.lower() in lines[-1].lower(), r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (o / "config.json").exists() or case == "bad_config"  # a refused run leaves no settings behind

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
+import functools
 import importlib
+import sys
 
 import typer
 
@@ -36,14 +36,29 @@ app = typer.Typer(
 )
 
 
+class Interrupted(Exception):
+    """Ctrl-C inside a command, carried past Typer (which would turn a KeyboardInterrupt into a silent
+    exit 130) to :func:`main`, which names it on stderr."""
+
+
+def _interruptible(command):
+    @functools.wraps(command)
+    def run_command(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Interrupted from None
+    return run_command
+
+
 def _register() -> None:
     from .bench import bench_command
     from .chat import chat_command
     from .solve import solve_command
 
-    app.command("solve")(solve_command)
-    app.command("chat")(chat_command)
-    app.command("bench")(bench_command)
+    app.command("solve")(_interruptible(solve_command))
+    app.command("chat")(_interruptible(chat_command))
+    app.command("bench")(_interruptible(bench_command))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except _CLICK_ERROR as e:
         e.show()
         return e.exit_code
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (UserError, ValueError, OSError) as e:

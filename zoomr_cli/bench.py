@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich import box
 from rich.console import Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -27,7 +28,7 @@ from .bench_rescue import plan as plan_rescue_cells
 from .bench_run import run_cell
 from .datasets import load_problems
 from .errors import UserError
-from .factory import build_backend, with_policy
+from .factory import build_backend, check_lengths, with_policy
 from .options import POLICIES, RunOptions, model_options
 from .render import Output
 from .rescue_options import RescueOptions, rescue_options
@@ -44,39 +45,40 @@ def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int |
     return cells
 
 
-def _table(rows: list[dict]) -> Table:
-    t = Table(title="zoomr bench", show_lines=False)
-    for col in ("policy", "budget", "n", "acc", "top-1", "KL", "active KV", "peak", "saving ×", "tok/s",
-                "gen tok", "degen"):
-        t.add_column(col, justify="right" if col not in ("policy",) else "left")
-
-    def f(v, fmt):
-        return "—" if v is None else format(v, fmt)
-
-    for r in rows:
-        t.add_row(r["policy"], "—" if r["budget"] is None else str(r["budget"]), str(r["problems"]),
-                  f(r["accuracy"], ".2f"), f(r["fidelity_top1"], ".3f"), f(r["fidelity_kl"], ".3f"),
-                  f(r["kv_mean_active_tokens"], ".0f"), str(r["kv_peak_active_tokens"]), f(r["saving"], ".2f"),
-                  f(r["decode_tok_s"], ".1f"), f(r["mean_generated_tokens"], ".0f"), f(r["degeneration_rate"], ".2f"))
-    return t
-
-
-def _rescue_table(rows: list[dict]) -> Table:
-    t = Table(title="KV-Rescue vs eviction-only best-of-N")
-    cols = (("budget", "budget", ""), ("A full", "acc_full", ".2f"), ("A best-of-N", "acc_best_of_n", ".2f"),
-            ("A rescue", "acc_rescue", ".2f"), ("recovered", "recovered_fraction", ".0%"),
-            ("helper share", "helper_share", ".0%"), ("base tok rescue", "base_tokens_rescue", ".0f"),
-            ("base tok best-of-N", "base_tokens_best_of_n", ".0f"), ("ratio", "base_token_ratio", ".2f"),
-            ("degen rescue", "degeneration_rescue", ".2f"), ("degen best-of-N", "degeneration_best_of_n", ".2f"))
-    for head, _, _ in cols:
-        t.add_column(head, justify="right")
+def _grid(title: str, cols: tuple, rows: list[dict]) -> Table:
+    """A compact table (fits 80 columns): ``cols`` are (header, row key, format spec; "" = str)."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
+    for i, (head, _, _) in enumerate(cols):
+        t.add_column(head, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
         t.add_row(*("—" if r[key] is None else format(r[key], fmt) if fmt else str(r[key]) for _, key, fmt in cols))
     return t
 
 
+MAIN_COLUMNS = (("policy", "policy", ""), ("B", "budget", ""), ("n", "problems", ""), ("acc", "accuracy", ".2f"),
+                ("top1", "fidelity_top1", ".3f"), ("KL", "fidelity_kl", ".3f"),
+                ("KV", "kv_mean_active_tokens", ".0f"), ("peak", "kv_peak_active_tokens", ""),
+                ("×", "saving", ".2f"), ("tok/s", "decode_tok_s", ".1f"), ("gen", "mean_generated_tokens", ".0f"),
+                ("degen", "degeneration_rate", ".2f"))
+RESCUE_COLUMNS = (("B", "budget", ""), ("A full", "acc_full", ".2f"), ("A bon", "acc_best_of_n", ".2f"),
+                  ("A rescue", "acc_rescue", ".2f"), ("recov", "recovered_fraction", ".0%"),
+                  ("helper", "helper_share", ".0%"), ("base tok", "base_tokens_rescue", ".0f"),
+                  ("bon tok", "base_tokens_best_of_n", ".0f"), ("ratio", "base_token_ratio", ".2f"),
+                  ("degen", "degeneration_rescue", ".2f"), ("bon degen", "degeneration_best_of_n", ".2f"))
+
+
+def _table(rows: list[dict]) -> Table:
+    return _grid("zoomr bench · KV = mean active KV tokens · × = memory saving · gen = generated tokens",
+                 MAIN_COLUMNS, rows)
+
+
+def _rescue_table(rows: list[dict]) -> Table:
+    return _grid("KV-Rescue vs eviction-only best-of-N (bon) · recov = recovered fraction · tok = base tokens",
+                 RESCUE_COLUMNS, rows)
+
+
 def bench(
-    budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several.")] = None,
+    budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several (default 64).")] = None,
     policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(POLICIES),
     dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
                                          "path or a hub data set id.")] = "gsm8k",
@@ -98,8 +100,13 @@ def bench(
     """
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in chosen if p not in POLICIES]
-    if bad or not chosen:
-        raise UserError(f"--policies: unknown {', '.join(bad) or '(none)'} (choose from {', '.join(POLICIES)})")
+    if not chosen:
+        raise UserError(f"--policies: give at least one of {', '.join(POLICIES)}")
+    if bad:
+        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(POLICIES)})")
+    if opts.backend != "torch":
+        raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
+    check_lengths(opts)
     budgets = sorted(set(budget or [64]))
     if min(budgets) < 1:
         raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
@@ -108,10 +115,11 @@ def bench(
     sampling = opts.sampling(default_temp=0.0)
     name, problems = load_problems(dataset, limit)
     out = Path(out_dir or f"bench_out/{Path(name).name.replace('/', '_')}")
-    out.mkdir(parents=True, exist_ok=True)
     config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
               "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
-              "match_budget": match_budget, "fidelity": fidelity}
+              "match_budget": match_budget, "fidelity": fidelity,
+              "policy_knobs": {"window": opts.window, "sink": opts.sink, "topk_per_head": opts.topk_per_head,
+                               "consensus": opts.consensus, "summaries": opts.summaries}}
     rescue_plan = None
     if rescue.rescue:
         rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
@@ -119,12 +127,12 @@ def bench(
     ui = Output(live=not no_live)
     with ui.status("loading model…"):
         base = build_backend(replace(opts, policy="full"))
-    if base.name != "torch":
-        raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
     rescue_cells = None
     if rescue_plan is not None:
         with ui.status("loading helper and scorer…"):
             rescue_cells = RescueCells(base, opts, rescue_plan)
+    # only now, with every model loaded, does the folder take this run's settings
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
 
     cells = plan_cells(chosen, [] if match_budget else budgets)
@@ -188,17 +196,29 @@ def _matched_budget(log: RecordLog, problem_id: str) -> int:
 
 
 def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
+    """Create ``out`` and check it against this run (settings of a resumed run must not change).
+
+    Raises:
+        UserError: the folder cannot be made, holds records without --resume, or other settings.
+        ValueError: a records file that is not ours.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the folder ({e.strerror or e})") from None
     cfg_path, rec_path = out / "config.json", out / "records.jsonl"
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
     if resume and cfg_path.exists():
-        old = json.loads(cfg_path.read_text())
+        try:
+            old = json.loads(cfg_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise UserError(f"{cfg_path}: not a bench config (not JSON); remove it or choose another --out") from None
         # a setting the old run did not have (e.g. --rescue added later) only adds cells: allowed
         diff = [k for k in config if k in old and old[k] != config[k]]
         if diff:
             raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
         config.update({k: v for k, v in old.items() if k not in config})
-    cfg_path.write_text(json.dumps(config, indent=2))
     return RecordLog(rec_path)
 
 
@@ -212,6 +232,9 @@ def _plain(rec: dict) -> str:
 
 def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     """summary.json, plots and the final table from whatever records exist (also after Ctrl-C)."""
+    if not log.records:
+        ui.info(f"no cell finished: nothing recorded in {out}")
+        return
     rows = summarize(log.records)
     rescue = rescue_rows(rows)
     summary = {"config": config, "rows": rows, **({"rescue": rescue} if rescue else {})}

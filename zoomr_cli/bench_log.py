@@ -8,6 +8,9 @@ import os
 from pathlib import Path
 
 
+REQUIRED = {"problem_id", "policy", "budget", "correct", "kv_mean_active_tokens", "tokens_generated"}
+
+
 def record_key(problem_id: str, policy: str, budget: int | None) -> tuple[str, str, int | None]:
     """The identity of a record: which problem, which policy, which budget (None for full KV)."""
     return (str(problem_id), policy, budget)
@@ -34,12 +37,19 @@ class RecordLog:
             if len(good) != len(data):
                 with open(path, "r+b") as f:  # drop the torn tail
                     f.truncate(len(good))
-            for n, line in enumerate(good.decode("utf-8").splitlines(), 1):
+            try:
+                text = good.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}: not a bench record file (not UTF-8 text)") from None
+            for n, line in enumerate(text.splitlines(), 1):
                 if line.strip():
                     try:
-                        self.records.append(json.loads(line))
+                        rec = json.loads(line)
                     except json.JSONDecodeError:
-                        raise ValueError(f"{path}:{n}: not a bench record") from None
+                        rec = None
+                    if not isinstance(rec, dict) or not REQUIRED <= rec.keys():
+                        raise ValueError(f"{path}:{n}: not a bench record")
+                    self.records.append(rec)
         self.done = {record_key(r["problem_id"], r["policy"], r["budget"]) for r in self.records}
 
     def append(self, record: dict) -> None:

@@ -25,14 +25,16 @@ def write_plots(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
                                  ("fidelity_top1", "top-1 agreement with full KV", "fidelity_vs_kv.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for policy, rs in by_policy.items():
-            pts = sorted((r["kv_mean_active_tokens"], r[metric]) for r in rs if r[metric] is not None)
+            pts = sorted((r["kv_mean_active_tokens"], r[metric]) for r in rs
+                         if r[metric] is not None and r["kv_mean_active_tokens"] is not None)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=policy)
         ax.set_xlabel("mean active KV (tokens)")
         ax.set_ylabel(label)
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=110)
         plt.close(fig)
@@ -50,7 +52,8 @@ def write_plots(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("active KV (tokens)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "active_kv_vs_generated.png", dpi=110)
     plt.close(fig)

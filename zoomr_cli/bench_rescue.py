@@ -100,17 +100,17 @@ class RescueCells:
         if reason == "interrupted":
             raise KeyboardInterrupt
         s = transcript.summary()
-        snaps = [e["stats"] for e in transcript.events if e["event"] == "kv" and e["role"] == "base"]
-        last = s["kv"].get("base") or {"active_tokens": len(base_ids), "full_tokens": len(base_ids),
-                                       "active_bytes": 0, "full_bytes": 0, "peak_active_tokens": len(base_ids)}
-        mean_active = sum(k["active_tokens"] for k in snaps) / len(snaps) if snaps else last["active_tokens"]
+        snaps = [transcript.start.kv["base"]]  # after the prompt, then after every commit
+        snaps += [e["stats"] for e in transcript.events if e["event"] == "kv" and e["role"] == "base"]
+        last = s["kv"]["base"]  # the prompt's state when no step was committed
+        mean_active = sum(k["active_tokens"] for k in snaps) / len(snaps)
         token_bytes = last["full_bytes"] // max(last["full_tokens"], 1)
         sampled = s["base_tokens"] + s["helper_tokens"]
         return {
             "answer": s["answer"],
             "correct": grade(problem.gold, s["answer"]),
             "tokens_generated": sum(st["tokens"] for st in s["steps"]),
-            "stop_reason": reason,
+            "stop_reason": "length" if reason == "context" and config.max_context < self.opts.ctx_size else reason,
             "degenerate": reason != "eos" and s["answer"] is None,
             "kv_mean_active_tokens": round(mean_active, 2),
             "kv_peak_active_tokens": last["peak_active_tokens"],

@@ -59,6 +59,8 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
             if steps % TRACE_EVERY == 1:
                 trace.append([kv.full_tokens - len(prompt), kv.active_tokens])
         kv = backend.kv_stats(seq)
+        if steps and (not trace or trace[-1][0] != kv.full_tokens - len(prompt)):
+            trace.append([kv.full_tokens - len(prompt), kv.active_tokens])  # the curve ends where the run did
     finally:
         backend.free(seq)
     answer = extract_answer(gen.text)

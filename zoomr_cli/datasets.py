@@ -40,7 +40,7 @@ def _data_dirs() -> list[Path]:
 
 
 def _gold(rec: dict) -> str:
-    if "final_answer" in rec:  # OlympiadBench: "['2']" or a list
+    if rec.get("final_answer") is not None:  # OlympiadBench: "['2']" or a list
         fa = rec["final_answer"]
         if isinstance(fa, str):
             try:
@@ -48,7 +48,7 @@ def _gold(rec: dict) -> str:
             except (ValueError, SyntaxError):
                 return fa.strip()
         return ", ".join(str(x).strip() for x in fa) if isinstance(fa, (list, tuple)) else str(fa)
-    if "answer" in rec:
+    if rec.get("answer") is not None:
         ans = rec["answer"]
         if isinstance(ans, str) and "####" in ans:  # GSM8K worked solution
             return ans.rsplit("####", 1)[1].strip().replace(",", "")
@@ -69,6 +69,8 @@ def _question(rec: dict) -> str:
             if rec.get("context"):  # OlympiadBench shared context
                 q = f"{str(rec['context']).strip()}\n\n{q}"
             return q
+    if any(key in rec for key in ("problem", "question", "prompt", "input")):
+        raise DatasetError("the problem/question field is empty or not text")
     raise DatasetError("record has no problem/question/prompt field")
 
 
@@ -84,6 +86,8 @@ def parse_records(lines, source: str) -> list[Problem]:
             continue
         try:
             rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise DatasetError(f"expected a JSON object per line, got {type(rec).__name__}")
             pid = str(rec.get("id", rec.get("unique_id", n - 1)))
             out.append(Problem(id=pid, question=_question(rec), gold=_gold(rec)))
         except (json.JSONDecodeError, DatasetError, AttributeError) as e:

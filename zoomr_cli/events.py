@@ -36,6 +36,7 @@ class RunStarted(Event):
     scorer: str
     settings: dict
     prompt_tokens: dict  # role → prompt length in that model's tokens
+    kv: dict = field(default_factory=dict)  # role → KVStats.as_dict() after the prompt's prefill
 
 
 @dataclass

@@ -68,6 +68,17 @@ def build_backend(opts: RunOptions) -> Backend:
         raise UserError(f"--backend {opts.backend!r} unknown (choose from {', '.join(BACKENDS)})")
     if opts.policy not in POLICIES:
         raise UserError(f"--policy {opts.policy!r} unknown (choose from {', '.join(POLICIES)})")
+    check_lengths(opts)
+    return BACKENDS[opts.backend](opts)
+
+
+def check_lengths(opts: RunOptions) -> None:
+    """``-c`` and ``-n`` make sense (checked before any model loads).
+
+    Raises:
+        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1.
+    """
     if opts.ctx_size < 16:
         raise UserError(f"-c {opts.ctx_size} is too small (at least 16 tokens)")
-    return BACKENDS[opts.backend](opts)
+    if opts.n_predict == 0 or opts.n_predict < -1:
+        raise UserError(f"-n {opts.n_predict}: give a number of tokens >= 1, or -1 for no limit")

@@ -106,26 +106,34 @@ def model_options(exclude: tuple[str, ...] = (), **defaults):
     decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
 
     def wrap(fn):
-        sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn, include_extras=True)  # the command module may defer annotations
-        own = [p.replace(annotation=hints.get(p.name, p.annotation))
-               for p in sig.parameters.values() if p.name != "opts"]
-        extra = [
-            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=base[name],
-                              annotation=Annotated[typ, opt])
-            for name, (typ, opt) in decls.items()
-        ]
-
-        @functools.wraps(fn)
-        def command(**kwargs):
-            opts = RunOptions(**{name: kwargs.pop(name) for name in decls}, **{
-                name: base[name] for name in exclude})
-            return fn(opts=opts, **kwargs)
-
-        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
-        command.__signature__ = sig.replace(parameters=params)
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        del command.__wrapped__
-        return command
+        return grouped_options(fn, "opts", decls, base,
+                               lambda values: RunOptions(**values, **{name: base[name] for name in exclude}))
 
     return wrap
+
+
+def grouped_options(fn, param: str, decls: dict, defaults: dict, build):
+    """Replace ``fn``'s parameter ``param`` by one Typer option per entry of ``decls``.
+
+    The returned command takes the options as keyword arguments, rebuilds the group with
+    ``build({name: value})`` and calls ``fn(param=group, ...)``; ``fn``'s other parameters are kept.
+
+    Args:
+        decls: ``{name: (type, typer.Option(...))}``; defaults: ``{name: default}`` for each of them.
+    """
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # the command module may defer annotations
+    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != param]
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
+                               annotation=Annotated[typ, opt]) for name, (typ, opt) in decls.items()]
+
+    @functools.wraps(fn)
+    def command(**kwargs):
+        group = build({name: kwargs.pop(name) for name in decls})
+        return fn(**{param: group}, **kwargs)
+
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
+    command.__signature__ = sig.replace(parameters=params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    del command.__wrapped__  # Typer must read the new signature, not fn's
+    return command

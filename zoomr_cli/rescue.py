@@ -137,7 +137,8 @@ class RescueLoop:
         self.helper.start(helper_prompt)
         self.events.emit(RunStarted(question, self.base.backend.describe(), self.helper.backend.describe(),
                                     self.scorer.name, {**self.config.as_dict(), **(settings or {})},
-                                    {"base": len(base_prompt), "helper": len(helper_prompt)}))
+                                    {"base": len(base_prompt), "helper": len(helper_prompt)},
+                                    {e.role: e.backend.kv_stats(e.seq).as_dict() for e in (self.base, self.helper)}))
         reason = "max_steps"
         try:
             for step in range(self.config.max_steps):

@@ -12,11 +12,8 @@ after another and on a CPU each costs seconds; ``--preset paper`` sets the paper
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import typing
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
 
@@ -24,7 +21,7 @@ from backends.models import resolve_model
 
 from .degeneration import DetectorConfig
 from .errors import UserError
-from .options import RunOptions
+from .options import RunOptions, grouped_options
 from .rescue import RescueConfig
 
 PANEL = "KV-Rescue (--rescue)"
@@ -60,7 +57,7 @@ def _opt(*names: str, help: str):
 
 _DECLS = {
     "rescue": (bool, _opt("--rescue", help="KV-Rescue: interleave steps of the evicted base (-m) and a "
-                          "full-KV helper, best step by a PRM.")),
+                          "full-KV helper; each step's best candidate by --prm (default: helper log-likelihood).")),
     "base_policy": (Optional[str], _opt("--base-policy", help=f"Base KV eviction: {', '.join(BASE_POLICIES)} "
                                         "(default rkv; streaming on --backend llamacpp). Budget: --budget.")),
     "helper": (Optional[str], _opt("--helper", help="Helper model, full KV (default: the embedded model).")),
@@ -86,23 +83,8 @@ def rescue_options(fn):
 
     Stack it under :func:`zoomr_cli.options.model_options` (which supplies ``opts``).
     """
-    sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn, include_extras=True)
-    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
-           if p.name != "rescue"]
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(RescueOptions(), name),
-                               annotation=Annotated[typ, opt]) for name, (typ, opt) in _DECLS.items()]
-
-    @functools.wraps(fn)
-    def command(**kwargs):
-        rescue = RescueOptions(**{name: kwargs.pop(name) for name in _DECLS})
-        return fn(rescue=rescue, **kwargs)
-
-    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
-    command.__signature__ = sig.replace(parameters=params)
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    del command.__wrapped__
-    return command
+    defaults = {name: getattr(RescueOptions(), name) for name in _DECLS}
+    return grouped_options(fn, "rescue", _DECLS, defaults, lambda values: RescueOptions(**values))
 
 
 def load_preset(name: str | None) -> dict:
@@ -154,6 +136,9 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
         policy = "streaming" if opts.backend == "llamacpp" else "rkv"
         if opts.backend == "llamacpp":
             notes.append("base policy streaming: R-KV needs attention scores, which llama.cpp does not expose")
+    if policy == "full":
+        raise UserError("--base-policy full: the base must evict (the helper is the full-KV model); "
+                        f"choose from {', '.join(BASE_POLICIES)}")
     if policy not in BASE_POLICIES:
         raise UserError(f"--base-policy {policy!r} unknown (choose from {', '.join(BASE_POLICIES)})")
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),

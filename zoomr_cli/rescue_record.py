@@ -9,7 +9,8 @@ Summary fields (tokens are in each model's own vocabulary):
     that role's candidates, winners or not: the paper's "base-model token generation"),
     prefill_tokens {base, helper} (prompt + re-base prefills), aborted (base candidates stopped by
     the detector), aborted_by_reason, aborts [{step, cand, reason, signals}], kv {base, helper}
-    (KVStats of the committed states at the last commit), scorer, seconds.
+    (KVStats of the committed states at the last commit; after the prompt if nothing was committed),
+    scorer, seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Transcript:
             self.start = ev
             for role, n in ev.prompt_tokens.items():
                 self.prefill[role] += n
+            self.kv.update(ev.kv)  # replaced at each commit; stays when no step is ever committed
         elif isinstance(ev, RunFinished):
             self.finish = ev
 
