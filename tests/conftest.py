@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -43,3 +44,9 @@ def gguf_weights(embedded_path):
 def zoomr_cmd() -> list[str]:
     """How tests run the CLI as a user would: the installed console script's module, this interpreter."""
     return [sys.executable, "-m", "zoomr_cli"]
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for children that tests Ctrl-C on: a shell that starts the suite in the background
+    (``cmd &``) makes SIGINT ignored, children inherit that, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import ROOT, zoomr_cmd
+from conftest import ROOT, sigint_default, zoomr_cmd
 from zoomr_cli.bench import plan_cells
 from zoomr_cli.bench_log import RecordLog
 from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction, summarize
@@ -66,7 +66,8 @@ def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
     out = tmp_path / "c"
     cmd = zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "2", "-n", "8", "--budget", "16", "--no-live",
                          "--policies", "full,streaming", "--out", str(out)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV,
+                         preexec_fn=sigint_default)
     rec_path = out / "records.jsonl"
     deadline = time.time() + 1200
     while time.time() < deadline and (not rec_path.exists() or rec_path.read_text().count("\n") < 1):
@@ -81,7 +82,8 @@ def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
 
 def test_torn_last_line_is_dropped(tmp_path):
     p = tmp_path / "records.jsonl"
-    p.write_text('{"problem_id": "0", "policy": "full", "budget": null}\n{"problem_id": "1", "pol')
+    fields = '"correct": false, "kv_mean_active_tokens": 9, "tokens_generated": 4'
+    p.write_text('{"problem_id": "0", "policy": "full", "budget": null, %s}\n{"problem_id": "1", "pol' % fields)
     log = RecordLog(p)
     assert len(log.records) == 1 and p.read_text().endswith("}\n")
 

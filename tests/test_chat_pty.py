@@ -5,13 +5,14 @@ import sys
 
 import pexpect
 
-from conftest import ROOT
+from conftest import ROOT, sigint_default
 
 
 def test_chat_session_in_a_pty():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb"}
     child = pexpect.spawn(sys.executable, ["-m", "zoomr_cli", "chat", "--no-live", "-n", "400", "--temp", "0"],
-                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240)
+                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240,
+                          preexec_fn=sigint_default)
     try:
         child.expect_exact("> ")
         child.sendline("What is the capital of France?")

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, zoomr_cmd
+from conftest import ROOT, sigint_default, zoomr_cmd
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "ZOOMR_DEBUG": ""}
 
@@ -95,7 +95,8 @@ def test_ctrl_c_keeps_partial_result(tmp_path):
 
     out = tmp_path / "partial.json"
     p = subprocess.Popen(zoomr_cmd() + ["solve", "examples/problem.txt", "-n", "2000", "--no-live", "--json", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                         preexec_fn=sigint_default)
     # wait until tokens stream, then interrupt
     first = p.stdout.read(40)
     assert first

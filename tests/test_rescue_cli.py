@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from backends.llamacpp.policies import STREAMING_BUFFER
-from conftest import ROOT, zoomr_cmd
+from conftest import ROOT, sigint_default, zoomr_cmd
 from kvstore.rkv import RKVPolicy
 from test_cli import ENV, assert_one_line_error, zoomr
 from zoomr_cli.errors import UserError
@@ -67,7 +67,8 @@ def test_ctrl_c_writes_what_was_committed(tmp_path):
     out = tmp_path / "run.json"
     p = subprocess.Popen(zoomr_cmd() + ["solve", "-p", PROBLEM, "--rescue", "--backend", "llamacpp", "-t", "1",
                                         "--step-tokens", "16", "--nb", "1", "--nh", "1", "--no-live", "--json", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                         preexec_fn=sigint_default)
     try:
         for line in p.stdout:           # wait for the first committed step, then interrupt mid-run
             if line.startswith("[step 1 ·"):

@@ -42,13 +42,17 @@ def write_plots(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     seen = set()
+    # colour = policy, line style = budget: more than ten curves stay tellable apart
+    colours = {p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys(r["policy"] for r in records))}
+    styles = {b: ("-", "--", ":", "-.")[i % 4] for i, b in enumerate(dict.fromkeys(r["budget"] for r in records))}
     for rec in records:
         key = (rec["policy"], rec["budget"])
         if key in seen or not rec.get("active_trace"):
             continue  # one curve per (policy, budget): the first problem's
         seen.add(key)
         xs, ys = zip(*rec["active_trace"])
-        ax.plot(xs, ys, label=rec["policy"] + ("" if rec["budget"] is None else f" B={rec['budget']}"))
+        ax.plot(xs, ys, color=colours[rec["policy"]], linestyle=styles[rec["budget"]],
+                label=rec["policy"] + ("" if rec["budget"] is None else f" B={rec['budget']}"))
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("active KV (tokens)")
     ax.grid(alpha=0.3)
