@@ -127,6 +127,12 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     bon = [r["base_tokens"] for r in recs if r["policy"] == "best-of-n"]
     res = [r["base_tokens"] for r in recs if r["policy"] == "rescue"]
     assert row["budget"] == 16 and abs(row["base_token_ratio"] - sum(res) / sum(bon)) < 1e-9
+    # resuming a finished bench redraws table and files from the records without loading any model
+    (out / "summary.json").unlink()
+    r = subprocess.run(zoomr_cmd() + small + rescue, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert r.returncode == 0 and "loading" not in r.stderr and "already in" in r.stderr, r.stderr
+    assert json.loads((out / "summary.json").read_text())["rescue"] == summary["rescue"]
+    assert len(_records(out)) == len(recs)
     # changing a rescue setting on resume is refused, not mixed into the same records
     r = subprocess.run(zoomr_cmd() + small + rescue[:-1] + ["--nh", "2", "--resume"], capture_output=True,
                        text=True, cwd=ROOT, env=ENV, timeout=300)

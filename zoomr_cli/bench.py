@@ -125,21 +125,23 @@ def bench(
         rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
     log = _open_log(out, config, resume)
     ui = Output(live=not no_live)
-    with ui.status("loading model…"):
-        base = build_backend(replace(opts, policy="full"))
-    rescue_cells = None
-    if rescue_plan is not None:
-        with ui.status("loading helper and scorer…"):
-            rescue_cells = RescueCells(base, opts, rescue_plan)
-    # only now, with every model loaded, does the folder take this run's settings
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
-
     cells = plan_cells(chosen, [] if match_budget else budgets)
     if match_budget:
         cells = [c for c in cells if c[0] in ("full", "zoomr", "sumr")] + [(p, "matched") for p in chosen if p in BUDGETED]
-    if rescue_cells:
+    if rescue_plan is not None:
         cells += RescueCells.cells(["matched"] if match_budget else budgets)
+    base = rescue_cells = None
+    if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
+        with ui.status("loading model…"):
+            base = build_backend(replace(opts, policy="full"))
+        if rescue_plan is not None:
+            with ui.status("loading helper and scorer…"):
+                rescue_cells = RescueCells(base, opts, rescue_plan)
+        # only now, with every model loaded, does the folder take this run's settings
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
+    else:  # a finished bench: the table and files come from the records alone, no model is loaded
+        ui.info(f"{name}: every cell of {len(problems)} problems is already in {out}")
     total = len(problems) * len(cells)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     task = progress.add_task("bench", total=total)
