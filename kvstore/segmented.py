@@ -14,6 +14,8 @@ Subclasses decide which segments are zoomed and which are summarized (:meth:`cho
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from .events import RecomputeEvent
@@ -21,7 +23,7 @@ from .policy import ForwardInfo, KVPolicy
 from .segments import Segment, SegmentTracker, ends_at_boundary
 
 
-class SegmentedPolicy(KVPolicy):
+class SegmentedPolicy(KVPolicy, abc.ABC):
     """Base of SumR and ZoomR.
 
     Args:
@@ -69,9 +71,10 @@ class SegmentedPolicy(KVPolicy):
     def on_closed(self, segments: list[Segment]) -> None:
         """Called with newly closed segments (before :meth:`choose`)."""
 
+    @abc.abstractmethod
     def choose(self) -> tuple[list[int], list[int], dict[int, int]]:
-        """(zoomed segment indices, summarized segment indices, votes per voted segment)."""
-        raise NotImplementedError
+        """(zoomed segment indices, summarized segment indices, votes per voted segment): SumR summarizes
+        every closed segment, ZoomR votes (each subclass is its paper's rule)."""
 
     def record(self, zoomed: list[int], votes: dict[int, int]) -> float | None:
         """Book-keep one recompute; return its agreeability (None when not applicable)."""

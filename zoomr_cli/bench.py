@@ -18,8 +18,6 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from backends.chat_template import prompt_ids, render_chat
-
 from .bench_log import RecordLog, record_key
 from .bench_metrics import summarize
 from .bench_plots import write_plots
@@ -32,7 +30,7 @@ from .factory import build_backend, check_lengths, with_policy
 from .options import POLICIES, RunOptions, model_options
 from .render import Output
 from .rescue_options import RescueOptions, rescue_options
-from .solve import solve_messages
+from .solve import solve_prompt
 
 BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
 
@@ -156,7 +154,7 @@ def bench(
                 progress.advance(task, len(cells))
                 continue
             progress.advance(task, len(cells) - len(pending))
-            ids = prompt_ids(base.tokenizer, render_chat(base.tokenizer, solve_messages(problem.question)))
+            ids = solve_prompt(base.tokenizer, problem.question)
             reference = None
             if fidelity and any(p not in ("full", RESCUE, BEST_OF_N) for p, _ in pending):
                 # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
@@ -165,7 +163,8 @@ def bench(
                 budget_tokens = _matched_budget(log, problem.id) if b == "matched" else b
                 progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
                 if policy in (RESCUE, BEST_OF_N):
-                    rec, built = rescue_cells.run(policy, budget_tokens or opts.budget, problem, opts.n_predict), None
+                    rec = rescue_cells.run(policy, budget_tokens or opts.budget, problem, ids, opts.n_predict)
+                    built = None
                 else:
                     view = with_policy(base, replace(opts, policy=policy, budget=budget_tokens or opts.budget))
                     rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,

@@ -25,8 +25,7 @@ def write_plots(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
                                  ("fidelity_top1", "top-1 agreement with full KV", "fidelity_vs_kv.png")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for policy, rs in by_policy.items():
-            pts = sorted((r["kv_mean_active_tokens"], r[metric]) for r in rs
-                         if r[metric] is not None and r["kv_mean_active_tokens"] is not None)
+            pts = sorted((r["kv_mean_active_tokens"], r[metric]) for r in rs if r[metric] is not None)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=policy)
         ax.set_xlabel("mean active KV (tokens)")

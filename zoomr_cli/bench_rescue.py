@@ -19,10 +19,8 @@ step limit, or an all-aborted step, without an answer.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import replace
 
-from backends.chat_template import prompt_ids, render_chat
 from backends.sampling import Sampler
 
 from .bench_metrics import recovered_fraction
@@ -33,7 +31,7 @@ from .options import RunOptions
 from .rescue_cli import build_helper, rescue_once
 from .rescue_options import RescueOptions, RescuePlan, for_flag, plan_rescue
 from .scorers import build_scorer
-from .solve import solve_messages
+from .solve import solve_prompt
 
 RESCUE, BEST_OF_N = "rescue", "best-of-n"
 
@@ -79,8 +77,12 @@ class RescueCells:
         """(policy, budget) cells per problem: best-of-N first, then rescue, for each budget."""
         return [(p, b) for b in budgets for p in (BEST_OF_N, RESCUE)]
 
-    def run(self, policy: str, budget: int, problem: Problem, n_predict: int) -> dict:
+    def run(self, policy: str, budget: int, problem: Problem, base_ids: list[int], n_predict: int) -> dict:
         """One cell: the stepwise loop on ``problem`` with the base evicting to ``budget`` tokens.
+
+        Args:
+            base_ids: the problem's prompt in the base model's tokens (the bench's own prompt).
+            n_predict: most new tokens of the committed trajectory (tokens; -1: up to ``-c``).
 
         Returns:
             record fields shared with the single-sample cells (correct, tokens_generated, degenerate,
@@ -90,10 +92,9 @@ class RescueCells:
             KeyboardInterrupt: Ctrl-C during the cell (nothing of it is recorded).
         """
         base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy, budget=budget))
-        base_ids, helper_ids = (prompt_ids(b.tokenizer, render_chat(b.tokenizer, solve_messages(problem.question)))
-                                for b in (base, self.helper))
+        helper_ids = solve_prompt(self.helper.tokenizer, problem.question)
         cap = max(len(base_ids), len(helper_ids)) + n_predict if n_predict > 0 else self.opts.ctx_size
-        config = dataclasses.replace(self.plan.config, max_context=min(cap, self.opts.ctx_size),
+        config = replace(self.plan.config, max_context=min(cap, self.opts.ctx_size),
                                      nh=0 if policy == BEST_OF_N else self.plan.config.nh)
         reason, transcript = rescue_once(base, self.helper, self.scorer, Sampler(self.sampling), config,
                                          problem.question, base_ids, helper_ids)
@@ -117,7 +118,7 @@ class RescueCells:
             "kv_mean_active_bytes": int(mean_active * token_bytes),
             "full_tokens": last["full_tokens"],
             "full_bytes": last["full_bytes"],
-            "saving": last.get("saving", 1.0),
+            "saving": last["saving"],
             "decode_tok_s": round(sampled / s["seconds"], 2) if s["seconds"] else None,
             "active_trace": [[k["full_tokens"] - len(base_ids), k["active_tokens"]] for k in snaps],
             "steps": len(s["steps"]),

@@ -13,7 +13,6 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from backends.chat_template import prompt_ids, render_chat
 from backends.models import resolve_model
 from backends.sampling import Sampler
 
@@ -36,13 +35,6 @@ def build_helper(base, helper_opts: RunOptions):
     if helper_opts.backend == "torch" and resolve_model(helper_opts.model) == base.source:
         return base.with_cache_factory(None)
     return build_backend(helper_opts)
-
-
-def _prompt(engine_backend, problem: str, system: str | None) -> list[int]:
-    from .solve import solve_messages
-
-    tok = engine_backend.tokenizer
-    return prompt_ids(tok, render_chat(tok, solve_messages(problem, system)))
 
 
 def _kv_line(role: str, kv: dict) -> str:
@@ -140,7 +132,10 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     with out.status("loading helper model…"):
         helper = for_flag("--helper", build_helper, base, plan.helper_opts)
     base_system = system_with_summaries(system, plan.base_opts.policy, opts.summaries)
-    base_ids, helper_ids = _prompt(base, problem, base_system), _prompt(helper, problem, system)
+    from .solve import solve_prompt  # solve imports this module: a top-level import would be circular
+
+    base_ids = solve_prompt(base.tokenizer, problem, base_system)
+    helper_ids = solve_prompt(helper.tokenizer, problem, system)
 
     view = LiveView(out.out) if out.live else PlainView(out)
     ctrl_c = CtrlC()

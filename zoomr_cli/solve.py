@@ -32,6 +32,12 @@ def solve_messages(problem: str, system: str | None = None) -> list[dict]:
     return msgs + [{"role": "user", "content": f"{problem}\n\n{INSTRUCTION}"}]
 
 
+def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int]:
+    """Token ids (tokens) of a problem's chat prompt: :func:`solve_messages` rendered with the model's
+    chat template and tokenized (what solve, bench and rescue all prefill)."""
+    return prompt_ids(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
+
+
 def solve(
     file: Annotated[Optional[str], typer.Argument(help="Problem text file, or - for stdin.")] = None,
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="The problem as text.")] = None,
@@ -62,7 +68,7 @@ def solve(
         backend = build_backend(opts)
     out.info(backend.describe())
     system = system_with_summaries(system, opts.policy, opts.summaries)
-    ids = prompt_ids(backend.tokenizer, render_chat(backend.tokenizer, solve_messages(problem, system)))
+    ids = solve_prompt(backend.tokenizer, problem, system)
     if len(ids) >= backend.n_ctx:
         raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
 

@@ -135,7 +135,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
             continue
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
+        except NotImplementedError:  # gguf's signal for a quantization type it cannot dequantize
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from None
         # F32 tensors come back as read-only views of the memory-mapped file: copy those
         arr = np.require(arr, np.float32, ["C", "W"]).reshape([int(x) for x in reversed(t.shape)])
