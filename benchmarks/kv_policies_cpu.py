@@ -231,7 +231,7 @@ def run(a) -> int:
     print("  full/active KV: " + ", ".join(f"{k} tok → {v}×" for k, v in long["ratio_full_over_active_at"].items()))
     kv = long["final_kv"]
     print(f"  final: active {kv['active_tokens']} / full {kv['full_tokens']} tok, mean active "
-          f"{kv['active_tokens_mean']}, {kv['segments']} segments ({kv['summaries_mode']}), AG "
+          f"{kv['mean_active_tokens']}, {kv['segments']} segments ({kv['summaries_mode']}), AG "
           f"{kv['ag_mean']} ± {kv['ag_std']}")
     dec = decode_compare(backend, seq, timed, applied, ids, forced[:len(forced) - a.decode], a.decode)
     f, z = dec["full"], dec["zoomr"]

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from backends.base import KVStats
+from backends.base import KVMeter, KVStats
 
 
 @runtime_checkable
@@ -70,7 +70,7 @@ class FullKVCache:
         self.k = [torch.empty(n_kv_heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.empty_like(x) for x in self.k]
         self.n_tokens = 0
-        self._peak = 0
+        self.meter = KVMeter(self.token_bytes(), None, device.type)
 
     def _grow(self, layer: int, need: int) -> None:
         cap = self.k[layer].shape[1]
@@ -94,8 +94,10 @@ class FullKVCache:
 
     def end_forward(self, token_ids, text):
         """Advance the write position by the forward's token count."""
+        is_prompt = self.n_tokens == 0
         self.n_tokens += len(token_ids)
-        self._peak = max(self._peak, self.n_tokens)
+        b = self.token_bytes()
+        self.meter.step(self.n_tokens, self.n_tokens * b, self.n_tokens, is_prompt, device_bytes=self.device_bytes())
 
     def fork(self):
         """A deep copy holding the same positions."""
@@ -103,7 +105,7 @@ class FullKVCache:
         for src, dst in ((self.k, other.k), (self.v, other.v)):
             for li in range(len(src)):
                 dst[li][:, :self.n_tokens] = src[li][:, :self.n_tokens]
-        other.n_tokens, other._peak = self.n_tokens, self._peak
+        other.n_tokens, other.meter = self.n_tokens, self.meter.copy()
         return other
 
     def token_bytes(self) -> int:
@@ -111,7 +113,10 @@ class FullKVCache:
         L, Hkv, d = self.shape
         return 2 * L * Hkv * d * torch.tensor([], dtype=self.dtype).element_size()
 
+    def device_bytes(self) -> int:
+        """Bytes of the K/V buffers allocated on the device now (capacity, all layers)."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k)
+
     def stats(self) -> KVStats:
-        """Active == full for this cache."""
-        b = self.token_bytes()
-        return KVStats(self.n_tokens, self.n_tokens, self.n_tokens * b, self.n_tokens * b, self._peak)
+        """Active == full for this cache; everything sits on the compute device, nothing on the host."""
+        return self.meter.stats(self.n_tokens, self.n_tokens, self.n_tokens * self.token_bytes())

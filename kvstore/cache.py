@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from backends.base import KVStats
+from backends.base import KVMeter, KVStats
 
 from .active_set import ResidentActiveSet, StreamedActiveSet
 from .events import EventBus
@@ -59,9 +59,8 @@ class PolicyKVCache:
         policy.bind(self.ctx)
         self.n_tokens = 0
         self._attended = [0] * n_layers     # positions attended per layer at the last forward
-        self._sum_active = 0                 # Σ attended (max over layers) over forwards after the prompt
-        self._steps = 0
-        self._peak = 0
+        self._layer_bytes = self.store.token_bytes() // n_layers
+        self.meter = KVMeter(self.store.token_bytes(), policy.bound_tokens, device.type)
         self._pos_new = torch.empty(0, dtype=torch.long)   # positions of this forward's tokens
 
     def _emit(self, event) -> None:
@@ -87,11 +86,8 @@ class PolicyKVCache:
         """Advance positions, account the active size, let the policy choose the next selection."""
         fwd = ForwardInfo(self.n_tokens, list(token_ids), text, self.n_tokens == 0)
         self.n_tokens = fwd.end
-        active = max(self._attended)
-        self._peak = max(self._peak, active)
-        if not fwd.is_prompt:
-            self._sum_active += active
-            self._steps += 1
+        self.meter.step(max(self._attended), sum(self._attended) * self._layer_bytes, self.n_tokens, fwd.is_prompt,
+                        device_bytes=self.active.device_bytes(), host_bytes=self.store.allocated_bytes())
         selection = self.policy.end_forward(fwd)
         if selection is not None:
             for layer in range(self.ctx.n_layers):
@@ -112,22 +108,16 @@ class PolicyKVCache:
         # the policy's state is copied deeply, except its context, which becomes the fork's
         other.policy = copy.deepcopy(self.policy, memo={id(self.ctx): other.ctx})
         other._attended = list(self._attended)
+        other.meter = self.meter.copy()
         return other
 
     def stats(self) -> KVStats:
         """Active = positions attended at the last forward (max over layers; bytes summed over layers).
 
-        ``extra`` holds: ``policy`` (its description), ``active_tokens_mean`` (mean attended positions
-        per forward after the prompt), ``moved_tokens`` (positions copied host → device by selections,
-        per KV head), ``device_kv_bytes`` (device K/V buffers allocated now) and the policy's own
-        numbers (recomputes, AG mean/std, summaries mode ...).
+        Means, peaks and allocations come from the cache's :class:`backends.base.KVMeter`; ``extra``
+        holds: ``policy`` (its description), ``moved_tokens`` (positions copied host → device by
+        selections, per KV head) and the policy's own numbers (recomputes, AG mean/std, summaries mode ...).
         """
-        L, h, d = self.store.shape
-        layer_bytes = self.store.token_bytes() // L
-        active = max(self._attended)
-        mean = self._sum_active / self._steps if self._steps else float(active)
-        extra = {"policy": self.policy.describe(), "active_tokens_mean": round(mean, 2),
-                 "moved_tokens": self.active.moved_pairs // h, "device_kv_bytes": self.active.device_bytes(),
-                 **self.policy.stats()}
-        return KVStats(active, self.n_tokens, sum(self._attended) * layer_bytes,
-                       self.n_tokens * self.store.token_bytes(), self._peak, extra)
+        h = self.store.shape[1]
+        extra = {"policy": self.policy.describe(), "moved_tokens": self.active.moved_pairs // h, **self.policy.stats()}
+        return self.meter.stats(max(self._attended), self.n_tokens, sum(self._attended) * self._layer_bytes, extra)

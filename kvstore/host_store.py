@@ -119,6 +119,10 @@ class HostKVStore:
         n = self.n[layer]
         return self.k[layer][:n], self.v[layer][:n]
 
+    def allocated_bytes(self) -> int:
+        """Bytes of the host K/V buffers allocated now (capacity, all layers)."""
+        return sum(2 * t.numel() * t.element_size() for t in self.k)
+
     def token_bytes(self) -> int:
         """Bytes of K and V of one position over all layers."""
         L, h, d = self.shape

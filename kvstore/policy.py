@@ -101,6 +101,12 @@ class KVPolicy:
     budget: int | None = None
     slack: int = 0
 
+    @property
+    def bound_tokens(self) -> int | None:
+        """The most positions attended at a decode step once the context exceeds the budget (tokens):
+        ``budget + slack``; None for unbudgeted policies (their peak is measured instead)."""
+        return None if self.budget is None else self.budget + self.slack
+
     def bind(self, ctx: PolicyContext) -> None:
         """Attach to one cache (called once by the cache before the first forward)."""
         self.ctx = ctx

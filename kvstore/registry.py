@@ -29,6 +29,17 @@ from .zoomr import ZoomRPolicy
 
 POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
 SEGMENTED = ("sumr", "zoomr")
+BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
+# which policies read each knob of PolicySpec (the others ignore it); the bench says so instead of silently
+# applying a knob to a policy that has no such thing
+KNOB_POLICIES = {
+    "budget": BUDGETED,
+    "window": ("streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr"),
+    "sink": ("streaming",),
+    "topk_per_head": ("zoomr",),
+    "consensus": ("zoomr",),
+    "summaries": SEGMENTED,
+}
 
 
 @dataclass(frozen=True)

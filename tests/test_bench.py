@@ -141,16 +141,22 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
 
 def test_match_budget_gives_baselines_zoomrs_measured_kv(tmp_path):
     out = tmp_path / "m"
-    r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "1", "-n", "16", "--no-live",
-                                      "--no-fidelity", "--policies", "streaming,zoomr", "--match-budget",
-                                      "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV,
-                       timeout=1200)
+    r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "1", "-n", "40", "--no-live",
+                                      "--no-fidelity", "--policies", "streaming,rkv,zoomr", "--match-budget",
+                                      "--window", "8", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       env=ENV, timeout=1200)
     assert r.returncode == 0, r.stderr
     by = {rec["policy"]: rec for rec in _records(out)}
-    assert set(by) == {"full", "zoomr", "streaming"}
-    assert by["streaming"]["budget"] == "matched"
-    assert by["streaming"]["budget_tokens"] == max(1, round(by["zoomr"]["kv_mean_active_tokens"]))
-    assert by["streaming"]["kv_peak_active_tokens"] <= by["streaming"]["budget_tokens"] + 1
+    assert set(by) == {"full", "zoomr", "streaming", "rkv"}
+    target = by["zoomr"]["mean_active_tokens"]
+    assert target < 0.9 * by["full"]["mean_active_tokens"]  # a small zoomr window really evicts
+    for name in ("streaming", "rkv"):
+        rec = by[name]
+        assert rec["budget"] == "matched" and isinstance(rec["budget_tokens"], int)
+        assert rec["target_active_tokens"] == pytest.approx(target, abs=0.01)
+        # matched on what is measured: the baseline's own time-averaged KV, within ±10 % of zoomr's
+        assert abs(rec["mean_active_tokens"] / target - 1) <= 0.10 and rec["matched_within"], rec
+        assert rec["peak_active_tokens"] <= max(rec["bound_tokens"], rec["prompt_tokens"])
 
 
 def test_rescue_rows_recovered_fraction_and_base_token_ratio():
@@ -179,6 +185,8 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["--policies", ","], "at least one"),
     (None, ["--backend", "llamacpp"], "torch"),
     (None, ["--rescue", "--base-policy", "full"], "must evict"),
+    (None, ["--policies", "full,streaming,rkv", "--budget", "32", "--window", "32"], "cell streaming B=32"),
+    (None, ["--policies", "full,rkv", "--sink", "2"], "--sink is read by streaming only"),
     ("out_is_file", ["--out", "{d}"], "--out"),
     ("bad_record", ["--out", "{o}", "--resume"], "not a bench record"),
     ("binary_record", ["--out", "{o}", "--resume"], "not a bench record"),

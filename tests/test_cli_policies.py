@@ -24,7 +24,11 @@ def test_solve_zoomr_records_policy_statistics(tmp_path):
     assert kv["policy"].startswith("zoomr(k=1, c=1, window=8")
     assert kv["full_tokens"] == rec["prompt_tokens"] + rec["tokens_generated"]
     assert kv["active_tokens"] < kv["full_tokens"] and kv["active_bytes"] < kv["full_bytes"]
-    assert kv["active_tokens_mean"] <= kv["peak_active_tokens"] <= kv["full_tokens"]
+    assert kv["mean_active_tokens"] <= kv["peak_active_tokens"] <= kv["full_tokens"]
+    # saving compares time-averaged bytes over the same decode steps; the host copy is reported, not hidden
+    assert kv["saving"] == pytest.approx(kv["mean_full_bytes"] / kv["mean_active_bytes"], rel=1e-2)
+    assert kv["host_kv_bytes"] >= kv["full_bytes"] and kv["device_kv_bytes"] >= kv["active_bytes"]
+    assert kv["bound_measured"] and kv["bound_tokens"] <= kv["peak_active_tokens"]
     assert kv["saving"] > 1 and kv["recomputes"] >= 1 and kv["segments"] >= 1
     assert kv["summaries_mode"] == "paragraphs" and kv["summaries_option"] == "auto"
     assert 0 < kv["ag_mean"] <= 1 and kv["ag_std"] >= 0
@@ -60,9 +64,9 @@ def test_live_display_prints_each_zoom_event(capsys):
 
 def test_policy_line_and_prompted_system_text():
     assert policy_line(KVStats(10, 10, 100, 100, 10)) is None
-    kv = KVStats(50, 200, 500, 2000, 60, {"policy": "sumr(window=8, summaries=prompted)", "active_tokens_mean": 40.0,
+    kv = KVStats(50, 200, 500, 2000, 60, {"policy": "sumr(window=8, summaries=prompted)",
                                           "summaries_mode": "none", "summaries_option": "prompted", "segments": 0,
-                                          "recomputes": 3})
+                                          "recomputes": 3}, mean_active_tokens=40.0, peak_active_bytes=600)
     line = policy_line(kv)
     assert "summaries: none (--summaries prompted)" in line and "saving 4.00×" in line and "peak 60" in line
     assert "<|begin_of_summary|>" in system_with_summaries(None, "zoomr", "prompted")

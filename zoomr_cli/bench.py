@@ -18,21 +18,24 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstore.registry import BUDGETED, KNOB_POLICIES
+
 from .bench_log import RecordLog, record_key
+from .bench_match import TOLERANCE, match_error, predict_budget
 from .bench_metrics import summarize
 from .bench_plots import write_plots
 from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows
 from .bench_rescue import plan as plan_rescue_cells
-from .bench_run import run_cell
+from .bench_run import run_cell, teacher_forced_fidelity
 from .datasets import load_problems
 from .errors import UserError
-from .factory import build_backend, check_lengths, with_policy
+from .factory import build_backend, check_lengths, policy_spec, torch_cache_factory, with_policy
 from .options import POLICIES, RunOptions, model_options
 from .render import Output
 from .rescue_options import RescueOptions, rescue_options
 from .solve import solve_prompt
 
-BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
+MATCHED = "matched"
 
 
 def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
@@ -43,31 +46,110 @@ def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int |
     return cells
 
 
+def validate_cells(cells: list[tuple[str, object]], opts: RunOptions) -> None:
+    """Build every cell's policy once, before the first cell runs, so a bad (policy, budget, knob) stops the
+    bench at once instead of after hours of finished cells. A matched cell is checked at the largest budget
+    (``-c``): its budget is chosen later inside the range its knobs allow.
+
+    Raises:
+        UserError: the first cell whose policy rejects its knobs, naming the cell.
+    """
+    for policy, budget in cells:
+        if policy not in KNOB_POLICIES["window"] + ("full",):
+            continue  # rescue cells: their base policy is checked by the rescue plan
+        b = opts.ctx_size if budget == MATCHED else (budget or opts.budget)
+        try:
+            torch_cache_factory(replace(opts, policy=policy, budget=b))
+        except ValueError as e:
+            cell = policy + ("" if budget is None else f" B={budget}")
+            raise UserError(f"cell {cell}: {e}") from None
+
+
+def knob_scope(chosen: list[str], opts: RunOptions) -> list[str]:
+    """Which of ``chosen`` each knob given on the command line applies to, as lines to show the user.
+
+    A knob no chosen policy reads is an error; one that only some read is applied to those alone (the
+    others have no such knob) and said so.
+
+    Raises:
+        UserError: a knob given that none of ``chosen`` reads.
+    """
+    defaults = RunOptions()
+    lines = []
+    for knob, takers in KNOB_POLICIES.items():
+        if knob == "budget" or getattr(opts, knob) == getattr(defaults, knob):
+            continue
+        flag = "--" + knob.replace("_", "-")
+        applies = [p for p in chosen if p in takers]
+        if not applies:
+            raise UserError(f"{flag} is read by {', '.join(takers)} only, and none of --policies is one of them")
+        if len(applies) < len(chosen):
+            lines.append(f"{flag} {getattr(opts, knob)} applies to {', '.join(applies)} only")
+    return lines
+
+
+def _cell(r: dict, key, fmt: str) -> str:
+    value = key(r) if callable(key) else r.get(key)
+    if value is None:
+        return "—"
+    if fmt == "mib":
+        return f"{value / 2**20:.2f}"
+    if key == "bound_tokens" and r.get("bound_measured"):
+        return f"{value}*"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, fmt) if fmt else str(value)
+
+
 def _grid(title: str, cols: tuple, rows: list[dict]) -> Table:
-    """A compact table (fits 80 columns): ``cols`` are (header, row key, format spec; "" = str)."""
+    """A compact table: ``cols`` are (header, row key or function of the row, format spec; "" = str)."""
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
     for i, (head, _, _) in enumerate(cols):
         t.add_column(head, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for r in rows:
-        t.add_row(*("—" if r[key] is None else format(r[key], fmt) if fmt else str(r[key]) for _, key, fmt in cols))
+        t.add_row(*(_cell(r, key, fmt) for _, key, fmt in cols))
     return t
 
 
-MAIN_COLUMNS = (("policy", "policy", ""), ("B", "budget", ""), ("n", "problems", ""), ("acc", "accuracy", ".2f"),
+def _budget_cell(r: dict) -> str:
+    """The B column: the budget, or for matched rows the mean budget chosen, with ≈."""
+    if r["budget"] == MATCHED:
+        return "—" if r.get("budget_tokens_mean") is None else f"≈{r['budget_tokens_mean']:.0f}"
+    return "—" if r["budget"] is None else str(r["budget"])
+
+
+MAIN_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("n", "problems", ""), ("acc", "accuracy", ".2f"),
                 ("top1", "fidelity_top1", ".3f"), ("KL", "fidelity_kl", ".3f"),
-                ("KV", "kv_mean_active_tokens", ".0f"), ("peak", "kv_peak_active_tokens", ""),
-                ("×", "saving", ".2f"), ("tok/s", "decode_tok_s", ".1f"), ("gen", "mean_generated_tokens", ".0f"),
-                ("degen", "degeneration_rate", ".2f"))
+                ("KV", "mean_active_tokens", ".0f"), ("peak", "peak_active_tokens", ""),
+                ("bound", "bound_tokens", ""), ("×", "saving", ".2f"), ("×pk", "saving_peak", ".2f"),
+                ("no ans", "no_answer_at_cap_rate", ".2f"))
+MATCH_COLUMNS = (("policy", "policy", ""), ("n", "problems", ""), ("target KV", "target_active_tokens", ".1f"),
+                 ("achieved", "mean_active_tokens", ".1f"), ("B chosen", "budget_tokens_mean", ".1f"),
+                 ("worst err", "match_error_max", "+.1%"), ("within ±10%", "matched_within", ""))
+MEMORY_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("active MiB", "mean_active_bytes", "mib"),
+                  ("full MiB", "full_bytes", "mib"), ("device MiB", "device_kv_bytes", "mib"),
+                  ("host MiB", "host_kv_bytes", "mib"), ("on", "kv_device", ""), ("tok/s", "decode_tok_s", ".1f"),
+                  ("gen", "mean_generated_tokens", ".0f"))
 RESCUE_COLUMNS = (("B", "budget", ""), ("A full", "acc_full", ".2f"), ("A bon", "acc_best_of_n", ".2f"),
                   ("A rescue", "acc_rescue", ".2f"), ("recov", "recovered_fraction", ".0%"),
                   ("helper", "helper_share", ".0%"), ("base tok", "base_tokens_rescue", ".0f"),
                   ("bon tok", "base_tokens_best_of_n", ".0f"), ("ratio", "base_token_ratio", ".2f"),
-                  ("degen", "degeneration_rescue", ".2f"), ("bon degen", "degeneration_best_of_n", ".2f"))
+                  ("no ans", "no_answer_at_cap_rescue", ".2f"), ("bon no ans", "no_answer_at_cap_best_of_n", ".2f"))
 
 
 def _table(rows: list[dict]) -> Table:
-    return _grid("zoomr bench · KV = mean active KV tokens · × = memory saving · gen = generated tokens",
-                 MAIN_COLUMNS, rows)
+    return _grid("zoomr bench · KV: mean active tokens · bound: policy's (* measured) · ×: saving, mean full / mean "
+                 "active bytes · ×pk: at the peak · no ans: no answer at the -n cap", MAIN_COLUMNS, rows)
+
+
+def _match_table(rows: list[dict]) -> Table:
+    return _grid(f"matched budgets · each baseline's measured mean active KV vs ZoomR's (within ±{TOLERANCE:.0%} "
+                 "or flagged)", MATCH_COLUMNS, [r for r in rows if r["budget"] == MATCHED])
+
+
+def _memory_table(rows: list[dict]) -> Table:
+    return _grid("KV memory and speed · active: time-averaged, full: final K/V bytes · device/host: peak allocated "
+                 "(on cpu the same RAM: they add up) · gen: generated tokens", MEMORY_COLUMNS, rows)
 
 
 def _rescue_table(rows: list[dict]) -> Table:
@@ -91,7 +173,7 @@ def bench(
     opts: RunOptions,
     rescue: RescueOptions,
 ) -> int:
-    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, degeneration.
+    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, no answer at the cap.
 
     With --rescue, every budget also runs KV-Rescue (base evicting by --base-policy + full-KV helper) and
     the eviction-only best-of-N baseline: recovered fraction, helper share and base tokens are reported.
@@ -121,13 +203,16 @@ def bench(
     rescue_plan = None
     if rescue.rescue:
         rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
-    log = _open_log(out, config, resume)
     ui = Output(live=not no_live)
     cells = plan_cells(chosen, [] if match_budget else budgets)
     if match_budget:
-        cells = [c for c in cells if c[0] in ("full", "zoomr", "sumr")] + [(p, "matched") for p in chosen if p in BUDGETED]
+        cells = [c for c in cells if c[0] not in BUDGETED] + [(p, MATCHED) for p in chosen if p in BUDGETED]
     if rescue_plan is not None:
-        cells += RescueCells.cells(["matched"] if match_budget else budgets)
+        cells += RescueCells.cells([MATCHED] if match_budget else budgets)
+    validate_cells(cells, opts)
+    for line in knob_scope(chosen, opts):
+        ui.info(line)
+    log = _open_log(out, config, resume)
     base = rescue_cells = None
     if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
         with ui.status("loading model…"):
@@ -160,13 +245,18 @@ def bench(
                 # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
                 pending = [("full", None)] + [c for c in pending if c[0] != "full"]
             for policy, b in pending:
-                budget_tokens = _matched_budget(log, problem.id) if b == "matched" else b
                 progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
+                budget_tokens = b
                 if policy in (RESCUE, BEST_OF_N):
-                    rec = rescue_cells.run(policy, budget_tokens or opts.budget, problem, ids, opts.n_predict)
+                    budget_tokens = _zoomr_record(log, problem.id)["mean_active_tokens"] if b == MATCHED else b
+                    budget_tokens = max(2, round(budget_tokens))
+                    rec = rescue_cells.run(policy, budget_tokens, problem, ids, opts.n_predict)
                     built = None
+                elif b == MATCHED:
+                    rec = run_matched(base, opts, policy, problem, ids, sampling, reference, _zoomr_record(log, problem.id))
+                    budget_tokens, built = rec.pop("budget_tokens"), None
                 else:
-                    view = with_policy(base, replace(opts, policy=policy, budget=budget_tokens or opts.budget))
+                    view = with_policy(base, replace(opts, policy=policy, budget=b or opts.budget))
                     rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
                                           None if policy == "full" or not fidelity else reference,
                                           keep_logits=policy == "full" and fidelity)
@@ -188,12 +278,49 @@ def bench(
     return 0
 
 
-def _matched_budget(log: RecordLog, problem_id: str) -> int:
-    """zoomr's measured mean active KV on this problem (tokens), the budget the baselines get."""
+def _zoomr_record(log: RecordLog, problem_id: str) -> dict:
+    """ZoomR's record of this problem: its measured mean active KV is what the matched baselines aim at."""
     for r in log.records:
         if r["problem_id"] == problem_id and r["policy"] == "zoomr":
-            return max(1, round(r["kv_mean_active_tokens"]))
+            return r
     raise UserError("internal order error: zoomr must run before the matched baselines")
+
+
+def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sampling, reference, zoomr: dict) -> dict:
+    """One matched-budget cell: predict B, run, check the measured mean against ZoomR's (see ``bench_match``).
+
+    Args:
+        base: the bench's full-KV torch backend; ``policy``: an evicting baseline.
+        reference: full KV's run for fidelity (None: no fidelity), measured on the run kept.
+        zoomr: ZoomR's record of the same problem (``mean_active_tokens``, ``tokens_generated``).
+    Returns:
+        the record fields of the run closest to the target (at most two runs), plus ``budget_tokens`` (B),
+        ``target_active_tokens``, ``simulated_active_tokens``, ``match_error`` (achieved / target − 1),
+        ``matched_within`` (|error| ≤ 10 %) and ``match_runs``.
+    """
+    target, n = float(zoomr["mean_active_tokens"]), int(zoomr["tokens_generated"])
+    spec = policy_spec(replace(opts, policy=policy))
+    runs = []
+    budget, simulated = predict_budget(spec, target, len(ids), n)
+    while True:
+        view = with_policy(base, replace(opts, policy=policy, budget=budget))
+        rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None)
+        err = match_error(rec["mean_active_tokens"], target)
+        runs.append((abs(err), budget, simulated, err, rec, view))
+        if abs(err) <= TOLERANCE or rec["tokens_generated"] == n or len(runs) == 2:
+            break
+        # the baseline wrote a different length than ZoomR: predict again at its own length
+        n = rec["tokens_generated"]
+        again, simulated = predict_budget(spec, target, len(ids), n)
+        if again == budget:
+            break
+        budget = again
+    _, budget, simulated, err, rec, view = min(runs, key=lambda r: r[0])
+    if reference is not None:
+        rec.update(teacher_forced_fidelity(view, ids, reference))
+    rec.update(budget_tokens=budget, target_active_tokens=round(target, 2), simulated_active_tokens=round(simulated, 2),
+               match_error=round(err, 4), matched_within=abs(err) <= TOLERANCE, match_runs=len(runs))
+    return rec
 
 
 def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
@@ -228,7 +355,14 @@ def _plain(rec: dict) -> str:
     if "helper_share" in rec:
         fid += f" steps={rec['steps']} helper={rec['helper_share']:.2f} base_tokens={rec['base_tokens']}"
     return (f"{rec['problem_id']} {rec['policy']} B={rec['budget']} correct={rec['correct']} "
-            f"tokens={rec['tokens_generated']} activeKV={rec['kv_mean_active_tokens']:.0f}{fid}")
+            f"tokens={rec['tokens_generated']} activeKV={rec['mean_active_tokens']:.0f}{_match_note(rec)}{fid}")
+
+
+def _match_note(rec: dict) -> str:
+    if rec.get("match_error") is None:
+        return ""
+    flag = "" if rec["matched_within"] else " OFF-TARGET"
+    return f" B={rec['budget_tokens']} target={rec['target_active_tokens']:.0f} err={rec['match_error']:+.1%}{flag}"
 
 
 def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
@@ -243,11 +377,18 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     plots = write_plots(rows, log.records, out) if log.records else []
     if ui.live:
         ui.out.print(_table(rows))
+        if any(r["budget"] == MATCHED for r in rows):
+            ui.out.print(_match_table(rows))
+        ui.out.print(_memory_table(rows))
         if rescue:
             ui.out.print(_rescue_table(rescue))
     else:
         for r in rows + rescue:
             print(json.dumps(r))
+    off = [r["policy"] for r in rows if r.get("matched_within") is False]
+    if off:
+        ui.info(f"warning: matched budget off by more than {TOLERANCE:.0%} for {', '.join(off)} "
+                "(see the matched-budgets table; their memory is not ZoomR's)")
     ui.info(f"records: {out / 'records.jsonl'} · summary: {out / 'summary.json'} · plots: "
             + ", ".join(str(p) for p in plots))
 

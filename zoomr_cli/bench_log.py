@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 
-REQUIRED = {"problem_id", "policy", "budget", "correct", "kv_mean_active_tokens", "tokens_generated"}
+REQUIRED = {"problem_id", "policy", "budget", "correct", "mean_active_tokens", "tokens_generated"}
 
 
 def record_key(problem_id: str, policy: str, budget: int | None) -> tuple[str, str, int | None]:

@@ -46,37 +46,69 @@ def _mean(vals):
     return float(np.mean(vals)) if vals else None
 
 
+def _ratio(num, den):
+    num, den = [v for v in num if v is not None], [v for v in den if v is not None]
+    return float(sum(num) / sum(den)) if num and den and sum(den) else None
+
+
+def _max(vals):
+    vals = [v for v in vals if v is not None]
+    return max(vals) if vals else None
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (policy, budget), in first-seen order.
 
-    Row fields: policy, budget, problems, accuracy, fidelity_top1, fidelity_kl, kv_mean_active_tokens,
-    kv_peak_active_tokens, kv_mean_active_bytes, full_bytes, saving (×, mean over problems of full/active
-    bytes at the end of a run), decode_tok_s, mean_generated_tokens, degeneration_rate (hit the length cap without
-    an answer); helper_share and base_tokens (mean candidate tokens sampled by the base) for rescue cells.
+    Row fields (units: tokens, bytes, ×, tokens/s):
+        policy, budget, problems, accuracy, fidelity_top1, fidelity_kl (nats/token);
+        mean_active_tokens (mean over problems of each run's time-averaged active KV), peak_active_tokens and
+        bound_tokens (max over problems; ``bound_measured`` when any bound is a measured peak),
+        mean_active_bytes, full_bytes (means over problems);
+        saving = Σ mean full bytes / Σ mean active bytes over the row's runs (time-averaged, the same steps),
+        saving_peak = Σ full bytes / Σ peak active bytes;
+        device_kv_bytes, host_kv_bytes (peak over problems of what was allocated), kv_device;
+        decode_tok_s, mean_generated_tokens, no_answer_at_cap_rate (hit the length cap without an answer),
+        multi_boxed_rate (answers with more than one distinct ``\\boxed{}`` value);
+        matched budgets only: budget_tokens_mean (the budgets chosen), target_active_tokens (ZoomR's mean),
+        match_error_max (largest |achieved/target − 1|), matched_within (all rows within the tolerance);
+        rescue / best-of-N cells only: helper_share, base_tokens, method_kv_bytes_mean (None elsewhere).
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["policy"], r["budget"])].append(r)
     rows = []
     for (policy, budget), rs in groups.items():
+        get = lambda key: [r.get(key) for r in rs]  # noqa: E731 — a column of this group
+        errors = [e for e in get("match_error") if e is not None]
         rows.append({
             "policy": policy,
             "budget": budget,
             "problems": len(rs),
             "accuracy": _mean([float(r["correct"]) for r in rs]),
-            "fidelity_top1": _mean([r.get("fidelity_top1") for r in rs]),
-            "fidelity_kl": _mean([r.get("fidelity_kl") for r in rs]),
-            "kv_mean_active_tokens": _mean([r["kv_mean_active_tokens"] for r in rs]),
-            "kv_peak_active_tokens": max(r["kv_peak_active_tokens"] for r in rs),
-            "kv_mean_active_bytes": _mean([r["kv_mean_active_bytes"] for r in rs]),
-            "full_bytes": _mean([r["full_bytes"] for r in rs]),
-            "saving": _mean([r["saving"] for r in rs]),
-            "decode_tok_s": _mean([r["decode_tok_s"] for r in rs]),
-            "mean_generated_tokens": _mean([r["tokens_generated"] for r in rs]),
-            "degeneration_rate": _mean([float(r["degenerate"]) for r in rs]),
-            # rescue / best-of-N cells only (None elsewhere)
-            "helper_share": _mean([r.get("helper_share") for r in rs]),
-            "base_tokens": _mean([r.get("base_tokens") for r in rs]),
+            "fidelity_top1": _mean(get("fidelity_top1")),
+            "fidelity_kl": _mean(get("fidelity_kl")),
+            "mean_active_tokens": _mean(get("mean_active_tokens")),
+            "peak_active_tokens": _max(get("peak_active_tokens")),
+            "bound_tokens": _max(get("bound_tokens")),
+            "bound_measured": any(bool(v) for v in get("bound_measured")),
+            "mean_active_bytes": _mean(get("mean_active_bytes")),
+            "full_bytes": _mean(get("full_bytes")),
+            "saving": _ratio(get("mean_full_bytes"), get("mean_active_bytes")),
+            "saving_peak": _ratio(get("full_bytes"), get("peak_active_bytes")),
+            "device_kv_bytes": _max(get("device_kv_bytes")),
+            "host_kv_bytes": _max(get("host_kv_bytes")),
+            "kv_device": next((v for v in get("kv_device") if v), None),
+            "decode_tok_s": _mean(get("decode_tok_s")),
+            "mean_generated_tokens": _mean(get("tokens_generated")),
+            "no_answer_at_cap_rate": _mean([float(bool(v)) for v in get("no_answer_at_cap")]),
+            "multi_boxed_rate": _mean([None if v is None else float(v > 1) for v in get("n_boxed_distinct")]),
+            "budget_tokens_mean": _mean(get("budget_tokens")) if budget == "matched" else None,
+            "target_active_tokens": _mean(get("target_active_tokens")),
+            "match_error_max": max(errors, key=abs) if errors else None,
+            "matched_within": all(bool(v) for v in get("matched_within")) if errors else None,
+            "helper_share": _mean(get("helper_share")),
+            "base_tokens": _mean(get("base_tokens")),
+            "method_kv_bytes_mean": _mean(get("method_kv_bytes_mean")),
         })
     return rows
 

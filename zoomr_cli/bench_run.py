@@ -8,15 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, KVStats
 from backends.generation import GenerationStats, generate
 from backends.sampling import Sampler, SamplingParams
 
 from .bench_metrics import FidelityMeter
 from .datasets import Problem
-from .grading import extract_answer, grade
-
-TRACE_EVERY = 8  # tokens between samples of the active-KV trace kept for plots
+from .grading import extract, grade
 
 
 @dataclass
@@ -32,6 +30,38 @@ class Reference:
     logits: np.ndarray
 
 
+# the KVStats fields every record carries (see backends.base.KVStats); rescue records carry the base's
+KV_FIELDS = ("mean_active_tokens", "peak_active_tokens", "bound_tokens", "bound_measured", "mean_active_bytes",
+             "peak_active_bytes", "full_tokens", "full_bytes", "mean_full_bytes", "saving", "saving_peak",
+             "device_kv_bytes", "host_kv_bytes", "kv_device")
+
+
+def kv_fields(kv: KVStats) -> dict:
+    """The record's KV figures from a finished sequence's :class:`KVStats` (tokens, bytes, ×)."""
+    d = kv.as_dict()
+    return {k: d[k] for k in KV_FIELDS}
+
+
+def breakpoints(points: list[tuple[int, int]]) -> list[list[int]]:
+    """Drop the points of a polyline that lie on a straight run, keeping every corner (an eviction, a
+    selection, the end): the curve through the result is the curve through ``points``, exactly.
+
+    Args:
+        points: (generated tokens, active tokens) per decode step, in order.
+    Returns:
+        [[x, y], ...], first and last point always kept.
+    """
+    out: list[list[int]] = []
+    for x, y in points:
+        if len(out) >= 2:
+            (x0, y0), (x1, y1) = out[-2], out[-1]
+            if (y1 - y0) * (x - x1) == (y - y1) * (x1 - x0):  # collinear: extend the run
+                out[-1] = [x, y]
+                continue
+        out.append([x, y])
+    return out
+
+
 def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: SamplingParams, n_predict: int,
              reference: Reference | None, keep_logits: bool = False) -> tuple[dict, Reference | None]:
     """Generate on ``backend`` (which carries the policy) and measure.
@@ -42,11 +72,13 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
         reference: full KV's run; None for the full run itself (which then returns its Reference when
             ``keep_logits``) or when fidelity is skipped.
     Returns:
-        (record fields, the Reference built from this run or None).
+        (record fields, the Reference built from this run or None). KV fields are those of
+        :data:`KV_FIELDS`; ``active_trace`` is the exact active-KV curve as breakpoints
+        ``[generated tokens, active tokens]`` (see :func:`breakpoints`).
     """
     seq = backend.new_sequence()
     gen = GenerationStats()
-    trace, active_sum, steps = [], 0, 0
+    points: list[tuple[int, int]] = []
     rows = []
     t0 = time.perf_counter()
     try:
@@ -54,33 +86,26 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
             if keep_logits:
                 rows.append(tok.logits)
             kv = backend.kv_stats(seq)
-            active_sum += kv.active_tokens
-            steps += 1
-            if steps % TRACE_EVERY == 1:
-                trace.append([kv.full_tokens - len(prompt), kv.active_tokens])
+            points.append((kv.full_tokens - len(prompt), kv.active_tokens))
         kv = backend.kv_stats(seq)
-        if steps and (not trace or trace[-1][0] != kv.full_tokens - len(prompt)):
-            trace.append([kv.full_tokens - len(prompt), kv.active_tokens])  # the curve ends where the run did
     finally:
         backend.free(seq)
-    answer = extract_answer(gen.text)
-    token_bytes = kv.full_bytes // max(kv.full_tokens, 1)
-    mean_active = active_sum / steps if steps else kv.active_tokens
+    # a run stopped by -n or -c may end mid-answer: the stricter extraction (a cut answer is no answer)
+    found = extract(gen.text, truncated=gen.stop_reason in ("length", "context"))
+    answer = found.answer
     record = {
         "answer": answer,
         "correct": grade(problem.gold, answer),
+        "answer_source": found.source,
+        "n_boxed_distinct": found.n_boxed_distinct,
+        "prompt_tokens": len(prompt),
         "tokens_generated": gen.generated_tokens,
         "stop_reason": gen.stop_reason,
-        "degenerate": gen.stop_reason in ("length", "context") and answer is None,
-        "kv_mean_active_tokens": round(mean_active, 2),
-        "kv_peak_active_tokens": kv.peak_active_tokens,
-        "kv_mean_active_bytes": int(mean_active * token_bytes),
-        "full_tokens": kv.full_tokens,
-        "full_bytes": kv.full_bytes,
-        "saving": round(kv.saving, 3),  # full / active bytes at the end of the run
+        "no_answer_at_cap": gen.stop_reason in ("length", "context") and answer is None,
+        **kv_fields(kv),
         "decode_tok_s": round(gen.decode_tok_s, 2),
         "prefill_tok_s": round(gen.prefill_tok_s, 2),
-        "active_trace": trace,
+        "active_trace": breakpoints(points),
         "kv_extra": kv.extra,
         "text": gen.text,
         "wall_s": round(time.perf_counter() - t0, 3),

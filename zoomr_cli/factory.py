@@ -11,16 +11,23 @@ from .errors import UserError
 from .options import POLICIES, RunOptions
 
 
+def policy_spec(opts: RunOptions):
+    """The :class:`kvstore.registry.PolicySpec` of ``opts``' policy and knobs (not validated)."""
+    from kvstore.registry import PolicySpec
+
+    return PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
+                      opts.summaries)
+
+
 def torch_cache_factory(opts: RunOptions):
     """The torch backend's cache factory for ``opts.policy`` (None = plain full KV on the device).
 
     Raises:
         ValueError: bad policy knobs (checked here, before any model loads).
     """
-    from kvstore.registry import PolicyCacheFactory, PolicySpec
+    from kvstore.registry import PolicyCacheFactory
 
-    spec = PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
-                      opts.summaries)
+    spec = policy_spec(opts)
     spec.build()
     # full stays the plain on-device cache; every other policy attends through the offloaded store
     return None if opts.policy == "full" else PolicyCacheFactory(spec)

@@ -41,7 +41,7 @@ def policy_line(kv: KVStats) -> str | None:
     """One line of policy statistics from ``kv.extra`` (None for the plain full cache).
 
     Shows the policy, which summaries mode ran, recomputes, AG mean ± std, active tokens (mean, peak),
-    full tokens, bytes of both and the memory saving.
+    full tokens, bytes of both and the memory saving (time-averaged, and at the peak).
     """
     x = kv.extra
     if "policy" not in x:
@@ -53,6 +53,7 @@ def policy_line(kv: KVStats) -> str | None:
         parts.append(f"{x['segments']} segments · {x['recomputes']} recomputes")
     if x.get("ag_mean") is not None:
         parts.append(f"AG {x['ag_mean']:.3f} ± {x['ag_std']:.3f}")
-    parts.append(f"active mean {x['active_tokens_mean']:.0f} / peak {kv.peak_active_tokens} tok "
-                 f"of {kv.full_tokens} ({mib(kv.active_bytes)} / {mib(kv.full_bytes)}) · saving {kv.saving:.2f}×")
+    parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
+                 f"of {kv.full_tokens} ({mib(kv.active_bytes)} / {mib(kv.full_bytes)}) · saving {kv.saving:.2f}× "
+                 f"(mean full / mean active bytes; {kv.saving_peak:.2f}× at the peak)")
     return " · ".join(parts)

@@ -20,7 +20,8 @@ def stats_line(gen: GenerationStats, kv: KVStats) -> str:
     return (f"prefill {gen.prompt_tokens} tok @ {gen.prefill_tok_s:.1f} tok/s · "
             f"decode {gen.generated_tokens} tok @ {gen.decode_tok_s:.1f} tok/s · "
             f"KV {kv.active_tokens}/{kv.full_tokens} tok active/full "
-            f"({mib(kv.active_bytes)} / {mib(kv.full_bytes)}, peak {kv.peak_active_tokens} tok) · "
+            f"({mib(kv.active_bytes)} / {mib(kv.full_bytes)}, mean {kv.mean_active_tokens:.0f}, "
+            f"peak {kv.peak_active_tokens} tok) · "
             f"stop: {gen.stop_reason or '—'}")
 
 

@@ -83,7 +83,7 @@ def solve(
         gen.stop_reason = "interrupted"
         code = 130
     out.token("\n")
-    answer = extract_answer(gen.text)
+    answer = extract_answer(gen.text, truncated=gen.stop_reason in ("length", "context", "interrupted"))
     kv = backend.kv_stats(seq)
     out.result("answer", answer if answer is not None else "(none found)")
     out.result("stats", stats_line(gen, kv), style="dim")

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from backends.base import BackendError, KVStats
+from backends.base import BackendError, KVMeter, KVStats
 from backends.models import ModelSource
 from backends.tokenizer import LlamaCppTokenizer
 from kvstore.events import EventBus
@@ -163,6 +163,8 @@ class LlamaCppBackend:
             raise ValueError(f"--policy {self.policy_name} shifts KV positions, which llama.cpp cannot do for this "
                              "model")
         self.kv_cells = llama_cpp.llama_n_ctx(self._ctx)
+        # where llama.cpp keeps the KV cells: on the GPU only when layers are offloaded to one
+        self.kv_device = "cuda" if self.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload() else "cpu"
         if llama_cpp.llama_n_ctx_seq(self._ctx) < cap:  # llama.cpp pads, so only a changed rule could trip this
             raise BackendError(f"llama.cpp gave each sequence fewer than the {cap} cells the policy needs")
         self._batch = Batch(n_batch)
@@ -241,7 +243,8 @@ class LlamaCppBackend:
 
         self._check_live(seq)
         child = LlamaCppSequence(self._take_id(), seq.policy.fork(), list(seq.tokens), list(seq.origin),
-                                 seq.n_written, len(seq.tokens), len(seq.tokens))
+                                 seq.n_written, len(seq.tokens), len(seq.tokens),
+                                 meter=seq.meter.copy() if seq.meter else None, forwards=seq.forwards)
         llama_cpp.llama_memory_seq_cp(self._mem, seq.seq_id, child.seq_id, -1, -1)
         return child
 
@@ -386,7 +389,12 @@ class LlamaCppBackend:
         """After a prefill/decode call: count the cells it attended, tell the policy, and evict if it asks or
         the sequence is at its cap (so between calls an evicting policy holds fewer than cap cells
         whenever it can, and a caller checking ``len(seq.tokens)`` against ``-c`` sees room)."""
-        seq.active_sum += len(seq.tokens)
+        if seq.meter is None:
+            bound = seq.policy.cap if seq.policy.evicts else None
+            seq.meter = KVMeter(self._bytes_per_token, bound, self.kv_device)
+        b = self._bytes_per_token
+        seq.meter.step(len(seq.tokens), len(seq.tokens) * b, seq.n_written, seq.forwards == 0,
+                       device_bytes=self.kv_cells * b)
         seq.forwards += 1
         text = self.tokenizer.decode(ids) if seq.policy.wants_text else ""
         if seq.policy.observe(start, ids, text) or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):
@@ -417,17 +425,18 @@ class LlamaCppBackend:
         """KV accounting: active = cells the sequence holds now, full = positions ever written.
 
         Bytes are f16 K and V over all layers: ``2 * n_layer * n_head_kv * head_dim * 2`` per token
-        (for the embedded model 23,040 B). ``extra`` adds llama.cpp's own count of the cells now and
-        at the peak and the eviction counters; under an evicting policy also ``policy``,
-        ``active_tokens_mean`` (cells attended per prefill/decode call) and the policy's counters,
-        the keys the torch backend's policies report.
+        (for the embedded model 23,040 B). ``device_kv_bytes`` is the KV buffer llama.cpp allocated
+        for the whole context (``kv_cells`` cells, shared by its sequences): llama.cpp reserves it up
+        front, whatever a policy evicts. ``bound_tokens`` is the policy's cell cap. ``extra`` adds
+        llama.cpp's own count of the cells now and at the peak and the eviction counters; under an
+        evicting policy also ``policy`` and the policy's counters, the keys the torch backend's
+        policies report.
         """
         b = self._bytes_per_token
         held = self.cells_held(seq) if seq.seq_id >= 0 else 0
         extra = {"llama_cells": held, "llama_peak_cells": seq.peak_cells_llama,
                  "evictions": seq.evictions, "evicted_tokens": seq.evicted_tokens}
         if seq.policy.evicts:
-            extra.update(policy=seq.policy.describe(),
-                         active_tokens_mean=round(seq.active_sum / max(seq.forwards, 1), 2), **seq.policy.stats())
-        return KVStats(len(seq.tokens), seq.n_written, len(seq.tokens) * b, seq.n_written * b, seq.peak,
-                       extra=extra)
+            extra.update(policy=seq.policy.describe(), **seq.policy.stats())
+        meter = seq.meter or KVMeter(b, seq.policy.cap if seq.policy.evicts else None, self.kv_device)
+        return meter.stats(len(seq.tokens), seq.n_written, len(seq.tokens) * b, extra)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from backends.base import BackendError
+from backends.base import BackendError, KVMeter
 
 from .policies import CellPolicy
 
@@ -23,8 +23,9 @@ class LlamaCppSequence:
         peak: most cells held at once, zoomr's accounting (tokens).
         peak_cells_llama: most cells held at once as llama.cpp reports them (pos_max - pos_min + 1).
         evictions, evicted_tokens: eviction bursts and tokens removed by them.
-        active_sum, forwards: cells attended summed over prefill/decode calls, and those calls
-            (for the mean active size).
+        meter: the sequence's KV accounting (means over decode calls, peaks; see
+            :class:`backends.base.KVMeter`); None until the engine attaches one.
+        forwards: prefill/decode calls so far.
     """
 
     seq_id: int
@@ -36,7 +37,7 @@ class LlamaCppSequence:
     peak_cells_llama: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
-    active_sum: int = 0
+    meter: KVMeter | None = None
     forwards: int = 0
 
 
