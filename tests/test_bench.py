@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, sigint_default, zoomr_cmd
 from zoomr_cli.bench import plan_cells
 from zoomr_cli.bench_log import RecordLog
-from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction, summarize
+from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction
 from zoomr_cli.bench_rescue import rescue_rows
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -160,20 +160,23 @@ def test_match_budget_gives_baselines_zoomrs_measured_kv(tmp_path):
 
 
 def test_rescue_rows_recovered_fraction_and_base_token_ratio():
-    def rec(policy, budget, correct, **kw):
-        return {"problem_id": kw.pop("pid", "0"), "policy": policy, "budget": budget, "correct": correct,
-                "kv_mean_active_tokens": 64, "kv_peak_active_tokens": 70, "kv_mean_active_bytes": 1, "full_bytes": 2,
-                "saving": 2.0, "decode_tok_s": 1.0, "tokens_generated": 10, "degenerate": not correct, **kw}
+    # rows as bench_metrics.summarize gives them (means over problems; rescue fields on rescue cells only)
+    def row(policy, budget, accuracy, no_answer, **kw):
+        return {"policy": policy, "budget": budget, "accuracy": accuracy, "no_answer_at_cap_rate": no_answer,
+                "helper_share": None, "base_tokens": None, **kw}
 
-    records = [rec("full", None, True), rec("full", None, True, pid="1"),
-               rec("best-of-n", 64, False, base_tokens=300, helper_share=0.0),
-               rec("best-of-n", 64, False, base_tokens=500, helper_share=0.0, pid="1"),
-               rec("rescue", 64, True, base_tokens=100, helper_share=0.5),
-               rec("rescue", 64, False, base_tokens=300, helper_share=0.25, pid="1")]
-    (row,) = rescue_rows(summarize(records))
-    assert row["acc_full"] == 1.0 and row["acc_best_of_n"] == 0.0 and row["acc_rescue"] == 0.5
-    assert row["recovered_fraction"] == 0.5 and row["helper_share"] == 0.375
-    assert row["base_token_ratio"] == 200 / 400 and row["degeneration_best_of_n"] == 1.0
+    rows = [row("full", None, 1.0, 0.0), row("rkv", 64, 0.25, 0.5),
+            row("best-of-n", 64, 0.0, 1.0, base_tokens=400, helper_share=0.0, method_kv_bytes_mean=3000),
+            row("rescue", 64, 0.5, 0.5, base_tokens=200, helper_share=0.375, method_kv_bytes_mean=5000),
+            row("rescue", 128, 0.75, 0.0, base_tokens=100, helper_share=0.25)]   # its best-of-n has not run yet
+    r64, r128 = rescue_rows(rows)
+    assert r64["acc_full"] == 1.0 and r64["acc_best_of_n"] == 0.0 and r64["acc_rescue"] == 0.5
+    assert r64["recovered_fraction"] == 0.5 and r64["helper_share"] == 0.375
+    assert r64["base_token_ratio"] == 200 / 400 and r64["degeneration_best_of_n"] == 1.0
+    assert r64["degeneration_rescue"] == 0.5
+    assert (r64["method_kv_bytes_mean_rescue"], r64["method_kv_bytes_mean_best_of_n"]) == (5000, 3000)
+    assert r128["budget"] == 128 and r128["acc_best_of_n"] is None and r128["recovered_fraction"] is None
+    assert r128["base_token_ratio"] is None and r128["method_kv_bytes_mean_rescue"] is None
 
 
 @pytest.mark.parametrize("case,args,needle", [

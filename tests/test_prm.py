@@ -136,3 +136,45 @@ def test_prm_scores_a_rescue_run_from_the_cli(tiny_prm, tmp_path):
     scores = [e["score"] for e in rec["events"] if e["event"] == "candidate_scored"]
     assert len(scores) == 2 and all(0 < s < 1 for s in scores)
     assert rec["steps"][0]["score"] == max(scores)
+
+
+def test_prm_scorer_reports_the_prms_kv_and_a_rescue_cell_counts_it(prm, tiny_prm, torch_backend):
+    """The PRM's KV per candidate is its whole conversation up to the step tag, counted once; a bench cell adds
+    it to the method's total, and best-of-N under a PRM does not use (or count) the helper."""
+    from backends.chat_template import prompt_ids
+    from zoomr_cli.bench_rescue import BEST_OF_N, RESCUE, RescueCells, plan, rescue_warnings
+    from zoomr_cli.datasets import Problem
+    from zoomr_cli.options import RunOptions
+    from zoomr_cli.rescue_engine import Candidate
+    from zoomr_cli.rescue_options import RescueOptions
+    from zoomr_cli.scorers import PRMScorer, StepContext
+    from zoomr_cli.solve import solve_prompt
+
+    c = prm.cfg
+    assert prm.kv_token_bytes == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4   # fp32 K and V
+    scorer = PRMScorer(prm)
+    ctx = StepContext(QUESTION, STEPS[:1], None)
+    lengths = []
+    for text in ("So 9.", "So 16 - 7 = 9 eggs are left, which is the answer."):
+        scorer.score(ctx, Candidate(0, 0, "base", None, None, [], text, "stop", None))
+        lengths.append(len(prompt_ids(prm.tokenizer, prm.conversation_text(QUESTION, STEPS[:1] + [text]))))
+    assert lengths[0] < lengths[1] and scorer.kv_peak_bytes == lengths[1] * prm.kv_token_bytes
+    scorer.reset_kv_peak()
+    assert scorer.kv_peak_bytes == 0 and scorer.label("h") == f"prm:{tiny_prm[0]}"
+
+    opts = RunOptions(ctx_size=torch_backend.n_ctx, device="cpu", dtype="fp32", top_k=20, budget=16)
+    rplan, _ = plan(RescueOptions(rescue=True, prm=str(tiny_prm[0]), nb=1, nh=1, step_tokens=4, max_steps=2), opts)
+    cells = RescueCells(torch_backend, opts, rplan)
+    problem = Problem("0", QUESTION, "9")
+    ids = solve_prompt(torch_backend.tokenizer, QUESTION)
+    bon, res = (cells.run(p, 16, problem, ids, 8) for p in (BEST_OF_N, RESCUE))
+    for rec in (bon, res):
+        assert rec["scorer"] == f"prm:{tiny_prm[0]}" and rec["prm_kv_bytes_peak"] > 0
+        assert rec["prm_kv_bytes_peak"] % prm.kv_token_bytes == 0
+        assert rec["method_kv_bytes_mean"] == (rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
+                                               + rec["prm_kv_bytes_peak"])
+    assert bon["helper_kv_bytes_mean"] == bon["helper_kv_bytes_peak"] == 0   # no helper candidate, PRM scores
+    assert res["helper_kv_bytes_mean"] > 0
+    assert rescue_warnings([{"policy": RESCUE, **res}]) == [
+        "the helper is the base model itself: rescue holds the base's full KV beside its evicted one, more than "
+        "full KV (see the method KV)"]

@@ -17,13 +17,17 @@ from backends.sampling import Sampler, SamplingParams
 from backends.torch.engine import TorchBackend
 from kvstore.cache import PolicyKVCache
 from kvstore.rkv import RKVPolicy
+from zoomr_cli.bench_rescue import BEST_OF_N, RESCUE, RescueCells, plan, rescue_warnings
+from zoomr_cli.datasets import Problem
 from zoomr_cli.events import CandidateAborted, CandidateStarted, EventStream, KVSnapshot, RunStarted
 from zoomr_cli.rescue import RescueConfig, RescueLoop
+from zoomr_cli.options import RunOptions
 from zoomr_cli.rescue_engine import Engine
+from zoomr_cli.rescue_options import RescueOptions
 from zoomr_cli.rescue_record import Transcript
 from zoomr_cli.rescue_view import LiveView
 from zoomr_cli.scorers import HelperLikelihoodScorer
-from zoomr_cli.solve import solve_messages
+from zoomr_cli.solve import solve_messages, solve_prompt
 
 QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
             "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
@@ -204,3 +208,82 @@ def test_live_view_shows_an_abort_with_its_reason_and_values():
     view(CandidateAborted(0, 0, "base", "entropy", 24, {"mean_entropy": 9.87, "min_gzip_ratio": 0.6}, "#@!"))
     view.console.print(view)
     assert "✗ entropy 9.87 > 7.0 nats" in view.console.export_text()
+
+
+def test_trajectory_kv_is_a_per_token_time_average(torch_backend):
+    """Each committed token is one sample, at the forward that wrote its KV: a model's own token at its decode
+    step, the other model's step at the prefill that took it in (full KV makes both exact to predict)."""
+    # --nb 1 --nh 0, both full KV: the base samples every token, the helper prefills every step
+    loop, tr = make_loop(torch_backend, torch_backend, 1, 0, 6, 3)
+    ids, _ = run(loop)
+    s = tr.summary()
+    sizes = [st["tokens"] for st in s["steps"]]
+    n = sum(sizes)
+    base, helper = s["kv_trajectory"]["base"], s["kv_trajectory"]["helper"]
+    assert n >= 2 and base["tokens"] == helper["tokens"] == n
+    assert base["mean_active_tokens"] == round(len(ids) + (n + 1) / 2, 2)   # token i's decode: prompt + i + 1
+    assert base["mean_active_bytes"] == base["mean_full_bytes"]                # full KV: active is full
+    ends = [len(ids) + sum(sizes[:i + 1]) for i in range(len(sizes))]         # helper's length after each prefill
+    assert helper["mean_active_tokens"] == round(sum(e * k for e, k in zip(ends, sizes)) / n, 2)
+
+    # --nb 0: the evicting base only prefills helper steps, each at the snapshot that followed it
+    base_rkv = CountingTorch(torch_backend, rkv_cache)
+    loop, tr = make_loop(base_rkv, torch_backend, 0, 1, 6, 3)
+    ids, _ = run(loop)
+    s = tr.summary()
+    sizes = [st["tokens"] for st in s["steps"]]
+    n = sum(sizes)
+    snaps = [e["stats"] for e in tr.events if e["event"] == "kv" and e["role"] == "base"]
+    assert s["kv_trajectory"]["helper"]["mean_active_tokens"] == round(len(prompt(torch_backend)) + (n + 1) / 2, 2)
+    assert s["kv_trajectory"]["base"]["mean_active_tokens"] == round(
+        sum(k["active_tokens"] * m for k, m in zip(snaps, sizes)) / n, 2)
+    assert s["kv_trajectory"]["base"]["mean_active_tokens"] < len(ids)        # evicted below its own prompt
+
+
+def bench_cells(base, **flags) -> tuple[RescueCells, Problem, list[int]]:
+    """The bench's rescue cells over the session's torch backend, with ``--rescue`` flags ``flags``."""
+    opts = RunOptions(ctx_size=base.n_ctx, device="cpu", dtype="fp32", top_k=20, budget=B)
+    rplan, _ = plan(RescueOptions(rescue=True, **flags), opts)
+    problem = Problem("0", QUESTION, "18")
+    return RescueCells(base, opts, rplan), problem, solve_prompt(base.tokenizer, problem.question)
+
+
+def test_best_of_n_cell_has_no_early_exit_and_both_cells_count_the_helpers_kv(torch_backend):
+    """A detector that aborts every base candidate at its first token (entropy > 0 from token 1): the rescue
+    cell aborts them all, best-of-N (the paper's baseline) aborts none. Memory: helper KV in the total."""
+    cells, problem, ids = bench_cells(torch_backend, nb=1, nh=1, step_tokens=5, max_steps=2, abort_entropy=0.0,
+                                      entropy_guard=0)
+    bon = cells.run(BEST_OF_N, B, problem, ids, 10)
+    res = cells.run(RESCUE, B, problem, ids, 10)
+    assert bon["early_exit"] is False and bon["aborted"] == 0 and bon["candidates"] == {"base": bon["steps"],
+                                                                                         "helper": 0}
+    assert res["early_exit"] is True and res["aborted"] == res["candidates"]["base"] == res["steps"] > 0
+    assert res["helper_share"] == 1.0 and res["base_tokens"] == res["aborted"]   # each abort after one token
+    for rec in (bon, res):
+        assert rec["scorer"] == f"likelihood:{torch_backend.source.path}" and rec["helper_is_base"] is True
+        assert rec["prm_kv_bytes_peak"] == 0
+        # the likelihood scorer runs on the helper, so even best-of-N holds the helper's KV
+        assert 0 < rec["helper_kv_bytes_mean"] <= rec["helper_kv_bytes_peak"]
+        assert rec["method_kv_bytes_mean"] == rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
+        assert rec["method_kv_bytes_peak"] >= rec["method_kv_bytes_mean"]
+        assert rec["saving"] == round(rec["mean_full_bytes"] / rec["method_kv_bytes_mean"], 3)
+        assert rec["saving"] < rec["mean_full_bytes"] / rec["mean_active_bytes"]   # not credited for the helper
+        assert rec["tokens_generated"] <= 10 and "degenerate" not in rec and isinstance(rec["no_answer_at_cap"], bool)
+    assert rescue_warnings([{"policy": BEST_OF_N, **bon}, {"policy": RESCUE, **res}]) == [
+        "rescue cells scored by the helper's likelihood with the helper = the base model: the comparison proves "
+        "little (give --helper a smaller model and --prm a process reward model)"]
+
+
+def test_rescue_warnings_name_each_weak_setting_once():
+    def rec(policy, scorer, helper_is_base):
+        return {"policy": policy, "scorer": scorer, "helper_is_base": helper_is_base}
+
+    fine = [rec(RESCUE, "prm:/m/prm", False), rec(BEST_OF_N, "prm:/m/prm", False),
+            rec("full", "likelihood:/m/a", True)]   # a single-sample cell is never read
+    assert rescue_warnings(fine) == []
+    (line,) = rescue_warnings(fine + [rec(RESCUE, "likelihood:/m/small", False)] * 2)
+    assert "not a process reward" in line
+    (line,) = rescue_warnings([rec(RESCUE, "prm:/m/prm", True)])
+    assert "helper is the base model itself" in line
+    lines = rescue_warnings([rec(BEST_OF_N, "likelihood:/m/base", True), rec(RESCUE, "prm:/m/prm", True)])
+    assert len(lines) == 2 and "proves little" in lines[0] and "itself" in lines[1]

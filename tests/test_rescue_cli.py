@@ -115,5 +115,20 @@ def test_plan_defaults_and_backend_choice():
     assert (c.detector.max_entropy, c.detector.entropy_window, c.detector.entropy_guard,
             c.detector.min_gzip_ratio, c.detector.gzip_window) == (7.0, 12, 24, 0.18, 800)
     assert plan.base_opts.policy == "rkv" and plan.helper_opts.policy == "full" and plan.prm is None
+    assert c.early_exit is True   # the detector is on unless --no-detector
     llama = plan_rescue(RescueOptions(rescue=True, nh=0), RunOptions(backend="llamacpp"))
     assert llama.base_opts.policy == "streaming" and llama.config.nh == 0 and llama.notes
+
+
+def test_no_detector_is_the_papers_eviction_only_best_of_n(tmp_path):
+    """--nh 0 --no-detector: a detector that would abort every base candidate at its first token aborts none."""
+    out = tmp_path / "bon.json"
+    r = zoomr("solve", "-p", PROBLEM, "--rescue", "--budget", "32", "-t", "1", "--max-steps", "2",
+              "--step-tokens", "4", "--nb", "1", "--nh", "0", "--no-detector", "--abort-entropy", "0",
+              "--entropy-guard", "0", "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["settings"]["early_exit"] is False and rec["aborted"] == 0 and len(rec["steps"]) == 2
+    assert "detector off" in r.stderr
+    kv = rec["kv_trajectory"]["base"]
+    assert kv["tokens"] == sum(st["tokens"] for st in rec["steps"]) and kv["mean_active_tokens"] <= 32 + 128

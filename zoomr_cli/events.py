@@ -57,6 +57,8 @@ class CandidateToken(Event):
         token: id; text: the text it completed; n: tokens of the candidate so far.
         entropy: of the distribution it was sampled from (nats); mean_entropy: over the detector's window.
         gzip_ratio: of the compression window now.
+        active_tokens, active_bytes, full_tokens, full_bytes: the candidate's KV when the token was
+            sampled, i.e. at the forward its logits came from (``KVStats`` fields; tokens, bytes).
     """
 
     kind: ClassVar[str] = "token"
@@ -69,6 +71,10 @@ class CandidateToken(Event):
     entropy: float
     mean_entropy: float
     gzip_ratio: float
+    active_tokens: int = 0
+    active_bytes: int = 0
+    full_tokens: int = 0
+    full_bytes: int = 0
 
 
 @dataclass

@@ -6,13 +6,15 @@ Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", th
 1. fork the base's evicted state N_b times and the helper's full state N_h times;
 2. sample each candidate (T 0.8, top-p 0.95, top-k 20 by default) until ``\\n\\n``, EOS or the
    step-token limit (512); base candidates are aborted online by the degeneration detector
-   (:mod:`zoomr_cli.degeneration`), helper candidates keep the pool non-empty;
+   (:mod:`zoomr_cli.degeneration`; "early exit", off with ``early_exit=False``), helper candidates
+   keep the pool non-empty;
 3. score the survivors (a PRM, or the fallback in :mod:`zoomr_cli.scorers`) and commit the best;
 4. re-base: the winner's fork becomes its model's state (no history token is computed again),
    the other model prefills the committed step (an evicting base evicts back to its budget).
 
 The loop ends at an EOS step, after ``max_steps`` steps (1024) or at the context cap (4096 tokens of
-committed trajectory). ``N_h = 0`` is the eviction-only best-of-N baseline with the same machinery.
+committed trajectory). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
+baseline (no helper candidate, no early exit) with the same machinery.
 
 Memory: candidates run one after another and are scored as they finish, so at most three
 sequences per model are alive at once (the committed state, the best candidate so far, the one
@@ -48,6 +50,8 @@ class RescueConfig:
         max_context: most tokens of committed trajectory, prompt included, in either model (tokens).
         step_end: the text that ends a step.
         detector: degeneration thresholds (base candidates only).
+        early_exit: abort base candidates the detector flags (the paper's "early exit"); False keeps
+            every candidate (the detector's signals are still computed and reported).
     """
 
     nb: int = 2
@@ -57,6 +61,7 @@ class RescueConfig:
     max_context: int = 4096
     step_end: str = "\n\n"
     detector: DetectorConfig = field(default_factory=DetectorConfig)
+    early_exit: bool = True
 
     def validate(self) -> "RescueConfig":
         """Return self.
@@ -195,7 +200,11 @@ class RescueLoop:
         return best, survivors
 
     def _sample(self, step: int, index: int, engine: Engine, n_tokens: int) -> Candidate | None:
-        """One candidate from a fork of ``engine``'s committed state; None when the detector aborted it."""
+        """One candidate from a fork of ``engine``'s committed state; None when the detector aborted it.
+
+        Each token event carries the KV the candidate's fork attended at the forward its logits came
+        from, so the committed trajectory's KV can be averaged per token (see
+        :meth:`zoomr_cli.rescue_record.Transcript.trajectory_kv`)."""
         src = engine.role
         self.events.emit(CandidateStarted(step, index, src))
         detector = DegenerationDetector(self.config.detector)
@@ -208,10 +217,12 @@ class RescueLoop:
                     raise KeyboardInterrupt
                 engine.generated += 1
                 sig = detector.push(tok.text, tok.logits)
+                kv = engine.backend.kv_stats(seq)
                 self.events.emit(CandidateToken(step, index, src, tok.token, tok.text, sig.tokens,
                                                 round(sig.entropy, 4), round(sig.mean_entropy, 4),
-                                                round(sig.gzip_ratio, 4)))
-                if sig.abort and src == "base":  # the paper screens base candidates only
+                                                round(sig.gzip_ratio, 4), kv.active_tokens, kv.active_bytes,
+                                                kv.full_tokens, kv.full_bytes))
+                if sig.abort and src == "base" and self.config.early_exit:  # the paper screens base candidates only
                     self.events.emit(CandidateAborted(step, index, src, sig.abort, sig.tokens, sig.as_dict(),
                                                       gen.text))
                     engine.release(seq)

@@ -28,7 +28,7 @@ PANEL = "KV-Rescue (--rescue)"
 BASE_POLICIES = ("rkv", "snapkv", "streaming", "zoomr")
 # values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
 DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
-            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800}
+            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "detector": True}
 
 
 @dataclass
@@ -48,6 +48,7 @@ class RescueOptions:
     entropy_guard: Optional[int] = None
     abort_gzip: Optional[float] = None
     gzip_window: Optional[int] = None
+    detector: Optional[bool] = None
     preset: Optional[str] = None
 
 
@@ -64,7 +65,8 @@ _DECLS = {
     "prm": (Optional[str], _opt("--prm", help="Process reward model (HF dir or hub id, Qwen2.5-Math-PRM "
                                 "architecture). Default: helper mean log-likelihood.")),
     "nb": (Optional[int], _opt("--nb", help="Base candidates per step (default 2).")),
-    "nh": (Optional[int], _opt("--nh", help="Helper candidates per step (default 2; 0 = eviction-only best-of-N).")),
+    "nh": (Optional[int], _opt("--nh", help="Helper candidates per step (default 2). --nh 0 --no-detector is the "
+                               "paper's eviction-only best-of-N baseline.")),
     "step_tokens": (Optional[int], _opt("--step-tokens", help="Most tokens per step (default 512).")),
     "max_steps": (Optional[int], _opt("--max-steps", help="Most committed steps (default 1024).")),
     "abort_entropy": (Optional[float], _opt("--abort-entropy", help="Abort a base candidate when its mean "
@@ -74,6 +76,8 @@ _DECLS = {
     "abort_gzip": (Optional[float], _opt("--abort-gzip", help="Abort when the gzip ratio falls below this "
                                          "(default 0.18).")),
     "gzip_window": (Optional[int], _opt("--gzip-window", help="Characters in the gzip window (default 800).")),
+    "detector": (Optional[bool], _opt("--detector/--no-detector", help="Abort degenerate base candidates early "
+                                      "(default on; --no-detector keeps every candidate, signals still shown).")),
     "preset": (Optional[str], _opt("--preset", help="Rescue preset from configs/rescue_NAME.toml, e.g. paper.")),
 }
 
@@ -144,7 +148,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
                               pick("abort_gzip"), pick("gzip_window"))
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
-                          detector=detector).validate()
+                          detector=detector, early_exit=pick("detector")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
     base_opts = dataclasses.replace(opts, model=model, policy=policy)
     helper_opts = dataclasses.replace(opts, model=pick("helper"), policy="full")

@@ -51,6 +51,8 @@ class PlainView:
             self.out.info(f"base: {ev.base}")
             self.out.info(f"helper: {ev.helper}")
             self.out.info(f"scorer: {ev.scorer}")
+            if ev.settings.get("early_exit") is False:
+                self.out.info("degeneration detector off: no base candidate is aborted")
         elif isinstance(ev, CandidateAborted):
             self.out.info(f"step {ev.step + 1} candidate {ev.cand} ({ev.source}) aborted after {ev.tokens} tok: "
                           f"{abort_reason(ev, self.detector)}")
@@ -88,7 +90,8 @@ class LiveView:
         if isinstance(ev, StepCommitted):
             self._print_step(ev)
         elif isinstance(ev, RunStarted):
-            self.console.print(Text(f"base   {ev.base}\nhelper {ev.helper}\nscorer {ev.scorer}", style="dim"))
+            off = "\ndetector off: no base candidate is aborted" if ev.settings.get("early_exit") is False else ""
+            self.console.print(Text(f"base   {ev.base}\nhelper {ev.helper}\nscorer {ev.scorer}{off}", style="dim"))
 
     def _apply(self, ev: Event) -> None:
         if isinstance(ev, RunStarted):

@@ -2,7 +2,10 @@
 
 KV-Rescue (arXiv:2608.15797, "Stepwise interleaving") commits the candidate step with the highest
 process reward. A :class:`Scorer` gives one number per candidate (higher is better) from the
-question, the committed steps and the candidate; any object with ``name`` and ``score`` fits.
+question, the committed steps and the candidate; any object with the attributes of :class:`Scorer`
+fits. A scorer also says what it is (:meth:`Scorer.label`) and how much KV its own model held while
+scoring, which KV-Rescue's memory accounting adds to the method's total (the paper's "Overhead
+derivation": the helper's and the PRM's caches remain full).
 
 * :class:`PRMScorer` — the paper's choice: a Qwen2.5-Math-PRM-style model on the torch backend,
   the reward of the candidate's step (P(correct) at its ``<extra_0>`` tag, in [0, 1]).
@@ -37,12 +40,30 @@ class StepContext:
 
 
 class Scorer(Protocol):
-    """Scores surviving candidates. ``name`` is shown in the output and recorded in the JSON."""
+    """Scores surviving candidates.
+
+    Attributes:
+        name: shown in the output and recorded in the JSON.
+        uses_helper: it scores with the helper's model and KV (then the helper is part of any method
+            that uses this scorer, even one with no helper candidate).
+        kv_peak_bytes: the most K/V bytes its own model (not the helper) held for one candidate since
+            :meth:`reset_kv_peak` (bytes; 0 for a scorer without a model of its own).
+    """
 
     name: str
+    uses_helper: bool
+    kv_peak_bytes: int
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
         """The candidate's score (higher is better)."""
+        ...
+
+    def label(self, helper_model: str) -> str:
+        """``kind:model`` for records, e.g. ``prm:/models/prm-7b`` or ``likelihood:<helper_model>``."""
+        ...
+
+    def reset_kv_peak(self) -> None:
+        """Start a new :attr:`kv_peak_bytes` measurement (e.g. per run)."""
         ...
 
 
@@ -62,6 +83,14 @@ class HelperLikelihoodScorer:
     """
 
     name = "helper mean log-likelihood (fallback: no --prm given)"
+    uses_helper = True
+    kv_peak_bytes = 0  # its scoring fork is the helper's KV, counted with the helper
+
+    def label(self, helper_model: str) -> str:
+        return f"likelihood:{helper_model}"
+
+    def reset_kv_peak(self) -> None:
+        pass
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
         helper = ctx.helper
@@ -80,14 +109,30 @@ class HelperLikelihoodScorer:
 
 
 class PRMScorer:
-    """The reward of the candidate's step from a :class:`backends.torch.prm.ProcessRewardModel`."""
+    """The reward of the candidate's step from a :class:`backends.torch.prm.ProcessRewardModel`.
+
+    Its KV per candidate is the PRM conversation up to the candidate's step tag, counted once (the
+    prefix the PRM keeps between candidates plus the candidate's tokens; the copy made to fork the
+    prefix is an implementation detail a batched PRM pass shares, as in the paper).
+    """
+
+    uses_helper = False
 
     def __init__(self, prm):
         self.prm = prm
         self.name = f"PRM {prm.source.name} (reward of the last step)"
+        self.kv_peak_bytes = 0
+
+    def label(self, helper_model: str) -> str:
+        return f"prm:{self.prm.source.path}"
+
+    def reset_kv_peak(self) -> None:
+        self.kv_peak_bytes = 0
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
-        return self.prm.last_step_reward(ctx.question, ctx.steps + [cand.text])
+        reward = self.prm.last_step_reward(ctx.question, ctx.steps + [cand.text])
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.prm.last_scored_tokens * self.prm.kv_token_bytes)
+        return reward
 
 
 def build_scorer(prm_spec: str | None, device: str = "auto", dtype: str = "auto") -> Scorer:

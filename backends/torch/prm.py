@@ -75,6 +75,11 @@ class ProcessRewardModel:
     Raises:
         ModelLoadError: see :func:`load_prm_dir`; also a tokenizer without a single-token ``<extra_0>``.
         ValueError: bad device or dtype.
+
+    Attributes:
+        kv_token_bytes: K and V bytes of one position over all layers (bytes).
+        last_scored_tokens: tokens of the conversation the last :meth:`last_step_reward` ran over, i.e.
+            the positions its KV held then (tokens; 0 before the first call).
     """
 
     def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto"):
@@ -97,6 +102,11 @@ class ProcessRewardModel:
         self.head = {n: torch.from_numpy(w).to(self.device, torch.float32) for n, w in head.items()}
         self._prefix_ids: list[int] | None = None
         self._prefix_cache: FullKVCache | None = None
+        # for memory accounting (KV-Rescue counts the PRM's KV): bytes per position, and the length of
+        # the conversation the last :meth:`last_step_reward` scored (tokens)
+        self.kv_token_bytes = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.device, self.dtype,
+                                          capacity=1).token_bytes()
+        self.last_scored_tokens = 0
 
     def describe(self) -> str:
         """One line: model, device, dtype."""
@@ -156,6 +166,7 @@ class ProcessRewardModel:
             raise ValueError("last_step_reward needs at least one step")
         prefix = prompt_ids(self.tokenizer, self.conversation_text(question, steps[:-1]))
         full = prompt_ids(self.tokenizer, self.conversation_text(question, steps))
+        self.last_scored_tokens = len(full)
         if full[:len(prefix)] != prefix:  # the tokenizer merged across the boundary: no reuse possible
             return self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()
         if prefix != self._prefix_ids:
