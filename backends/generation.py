@@ -88,8 +88,8 @@ class GenerationStats:
 
 
 def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sampler, n_predict: int,
-             stats: GenerationStats, stop: tuple[str, ...] = (), logits: np.ndarray | None = None
-             ) -> Iterator[TokenOut]:
+             stats: GenerationStats, stop: tuple[str, ...] = (), logits: np.ndarray | None = None,
+             ignore_eos: bool = False) -> Iterator[TokenOut]:
     """Prefill ``prompt_ids`` into ``seq``, then sample up to ``n_predict`` tokens, yielding each one.
 
     ``stats`` is filled in as generation proceeds, so a caller interrupted (Ctrl-C) mid-way still
@@ -102,6 +102,8 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
             ``seq`` as it stands, e.g. a fork of a committed state) are given instead.
         n_predict: most tokens to generate (tokens); < 0 means until EOS or the context is full.
         stop: strings that end generation when the text so far ends with one of them.
+        ignore_eos: never sample an end-of-sequence id (its logit is taken as −inf for sampling only, as
+            llama.cpp's ``--ignore-eos``), so generation runs to ``n_predict``; yielded logits stay raw.
     Raises:
         ValueError: the prompt does not fit the context, or neither prompt_ids nor logits given.
     """
@@ -116,8 +118,14 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
     detok = StreamDecoder(backend.tokenizer)
     eos = backend.tokenizer.eos_ids
     limit = n_predict if n_predict >= 0 else 1 << 62
+    banned = np.fromiter(eos, dtype=np.int64) if ignore_eos and eos else None
     while stats.generated_tokens < limit:
-        token = sampler.sample(logits)
+        if banned is not None:
+            masked = logits.copy()
+            masked[banned] = -np.inf
+            token = sampler.sample(masked)
+        else:
+            token = sampler.sample(logits)
         if token in eos:
             stats.stop_reason = "eos"
             return

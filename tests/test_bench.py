@@ -109,7 +109,9 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
              "--out", str(out)]
     r = subprocess.run(zoomr_cmd() + small, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1200)
     assert r.returncode == 0, r.stderr
-    rescue = ["--rescue", "--budget", "16", "--nb", "1", "--nh", "1", "--step-tokens", "6", "--resume"]
+    # a detector that aborts every base candidate at its first token: rescue must abort, best-of-N never does
+    rescue = ["--rescue", "--budget", "16", "--nb", "1", "--nh", "1", "--step-tokens", "6", "--abort-entropy", "0",
+              "--entropy-guard", "0", "--resume"]
     r = subprocess.run(zoomr_cmd() + small + rescue, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1800)
     assert r.returncode == 0, r.stderr
     recs = _records(out)
@@ -118,9 +120,17 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     for rec in recs:
         if rec["policy"] == "best-of-n":  # eviction-only: the helper never proposes a step
             assert rec["candidates"]["helper"] == 0 and rec["helper_share"] == 0 and rec["base_tokens"] > 0
+            assert rec["aborted"] == 0 and rec["early_exit"] is False  # the paper's baseline: no early exit
         if rec["policy"] == "rescue":
             assert rec["candidates"]["helper"] == rec["steps"] and rec["candidates"]["base"] == rec["steps"]
             assert 0 <= rec["helper_share"] <= 1 and rec["tokens_generated"] <= 12
+            assert rec["aborted"] == rec["candidates"]["base"] > 0
+            # the helper's KV is part of the method's memory
+            assert rec["method_kv_bytes_mean"] >= rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
+            assert rec["helper_kv_bytes_mean"] > 0
+        if rec["policy"] in ("rescue", "best-of-n"):
+            assert rec["scorer"].startswith("likelihood:") and rec["helper_is_base"] is True
+    assert "proves little" in r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["rescue"]["nb"] == 1 and summary["config"]["n_predict"] == 12
     (row,) = summary["rescue"]
@@ -172,8 +182,8 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     r64, r128 = rescue_rows(rows)
     assert r64["acc_full"] == 1.0 and r64["acc_best_of_n"] == 0.0 and r64["acc_rescue"] == 0.5
     assert r64["recovered_fraction"] == 0.5 and r64["helper_share"] == 0.375
-    assert r64["base_token_ratio"] == 200 / 400 and r64["degeneration_best_of_n"] == 1.0
-    assert r64["degeneration_rescue"] == 0.5
+    assert r64["base_token_ratio"] == 200 / 400 and r64["no_answer_at_cap_best_of_n"] == 1.0
+    assert r64["no_answer_at_cap_rescue"] == 0.5
     assert (r64["method_kv_bytes_mean_rescue"], r64["method_kv_bytes_mean_best_of_n"]) == (5000, 3000)
     assert r128["budget"] == 128 and r128["acc_best_of_n"] is None and r128["recovered_fraction"] is None
     assert r128["base_token_ratio"] is None and r128["method_kv_bytes_mean_rescue"] is None

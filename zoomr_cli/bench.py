@@ -24,7 +24,7 @@ from .bench_log import RecordLog, record_key
 from .bench_match import TOLERANCE, match_error, predict_budget
 from .bench_metrics import summarize
 from .bench_plots import write_plots
-from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows
+from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from .bench_rescue import plan as plan_rescue_cells
 from .bench_run import run_cell, teacher_forced_fidelity
 from .datasets import load_problems
@@ -197,6 +197,7 @@ def bench(
     out = Path(out_dir or f"bench_out/{Path(name).name.replace('/', '_')}")
     config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
               "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
+              "ignore_eos": opts.ignore_eos,
               "match_budget": match_budget, "fidelity": fidelity,
               "policy_knobs": {"window": opts.window, "sink": opts.sink, "topk_per_head": opts.topk_per_head,
                                "consensus": opts.consensus, "summaries": opts.summaries}}
@@ -259,7 +260,7 @@ def bench(
                     view = with_policy(base, replace(opts, policy=policy, budget=b or opts.budget))
                     rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
                                           None if policy == "full" or not fidelity else reference,
-                                          keep_logits=policy == "full" and fidelity)
+                                          keep_logits=policy == "full" and fidelity, ignore_eos=opts.ignore_eos)
                 if policy == "full":
                     reference = built
                 if record_key(problem.id, policy, b) in log.done:
@@ -304,7 +305,7 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
     budget, simulated = predict_budget(spec, target, len(ids), n)
     while True:
         view = with_policy(base, replace(opts, policy=policy, budget=budget))
-        rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None)
+        rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None, ignore_eos=opts.ignore_eos)
         err = match_error(rec["mean_active_tokens"], target)
         runs.append((abs(err), budget, simulated, err, rec, view))
         if abs(err) <= TOLERANCE or rec["tokens_generated"] == n or len(runs) == 2:
@@ -385,6 +386,8 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     else:
         for r in rows + rescue:
             print(json.dumps(r))
+    for line in rescue_warnings(log.records):
+        ui.info(f"warning: {line}")
     off = [r["policy"] for r in rows if r.get("matched_within") is False]
     if off:
         ui.info(f"warning: matched budget off by more than {TOLERANCE:.0%} for {', '.join(off)} "

@@ -251,7 +251,7 @@ def rescue_rows(rows: list[dict]) -> list[dict]:
 
     Fields: budget, acc_full, acc_best_of_n, acc_rescue, recovered_fraction (None when full = best-of-N
     or a row is missing), helper_share, base_tokens_rescue, base_tokens_best_of_n, base_token_ratio
-    (rescue / best-of-N), degeneration_rescue, degeneration_best_of_n (the rows' no_answer_at_cap_rate),
+    (rescue / best-of-N), no_answer_at_cap_rescue, no_answer_at_cap_best_of_n (the rows' no_answer_at_cap_rate),
     method_kv_bytes_mean_rescue, method_kv_bytes_mean_best_of_n (bytes; None when the rows lack them).
     """
     by = {(r["policy"], r["budget"]): r for r in rows}
@@ -275,8 +275,8 @@ def rescue_rows(rows: list[dict]) -> list[dict]:
             "base_tokens_rescue": res.get("base_tokens"),
             "base_tokens_best_of_n": bon.get("base_tokens") if bon else None,
             "base_token_ratio": ratio,
-            "degeneration_rescue": res["no_answer_at_cap_rate"],
-            "degeneration_best_of_n": bon["no_answer_at_cap_rate"] if bon else None,
+            "no_answer_at_cap_rescue": res["no_answer_at_cap_rate"],
+            "no_answer_at_cap_best_of_n": bon["no_answer_at_cap_rate"] if bon else None,
             "method_kv_bytes_mean_rescue": res.get("method_kv_bytes_mean"),
             "method_kv_bytes_mean_best_of_n": bon.get("method_kv_bytes_mean") if bon else None,
         })

@@ -63,7 +63,8 @@ def breakpoints(points: list[tuple[int, int]]) -> list[list[int]]:
 
 
 def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: SamplingParams, n_predict: int,
-             reference: Reference | None, keep_logits: bool = False) -> tuple[dict, Reference | None]:
+             reference: Reference | None, keep_logits: bool = False, ignore_eos: bool = False
+             ) -> tuple[dict, Reference | None]:
     """Generate on ``backend`` (which carries the policy) and measure.
 
     Args:
@@ -71,6 +72,7 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
         prompt: prompt token ids (tokens).
         reference: full KV's run; None for the full run itself (which then returns its Reference when
             ``keep_logits``) or when fidelity is skipped.
+        ignore_eos: generate to ``n_predict`` without ever sampling EOS (see ``backends.generation.generate``).
     Returns:
         (record fields, the Reference built from this run or None). KV fields are those of
         :data:`KV_FIELDS`; ``active_trace`` is the exact active-KV curve as breakpoints
@@ -82,7 +84,7 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
     rows = []
     t0 = time.perf_counter()
     try:
-        for tok in generate(backend, seq, prompt, Sampler(sampling), n_predict, gen):
+        for tok in generate(backend, seq, prompt, Sampler(sampling), n_predict, gen, ignore_eos=ignore_eos):
             if keep_logits:
                 rows.append(tok.logits)
             kv = backend.kv_stats(seq)

@@ -134,4 +134,4 @@ def _handle(line: str, session: ChatSession, out: Output) -> bool:
     return True
 
 
-chat_command = model_options(n_predict=256)(chat)
+chat_command = model_options(exclude=("ignore_eos",), n_predict=256)(chat)

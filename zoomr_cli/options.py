@@ -38,6 +38,7 @@ class RunOptions:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+    ignore_eos: bool = False
     policy: str = "full"
     budget: int = 64
     window: Optional[int] = None
@@ -77,6 +78,9 @@ _OPTION_DECLS = {
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
     "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),
     "seed": (int, typer.Option("-s", "--seed", help="RNG seed for sampling.", rich_help_panel=PANEL_SAMPLING)),
+    "ignore_eos": (bool, typer.Option("--ignore-eos", help="Never sample end-of-sequence: generate -n tokens "
+                                      "(long-context measurements; not the rescue loop).",
+                                      rich_help_panel=PANEL_SAMPLING)),
     "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(POLICIES)}.", rich_help_panel=PANEL_KV)),
     "budget": (int, typer.Option("--budget", help="KV budget B of the evicting policies (tokens).",
                                  rich_help_panel=PANEL_KV)),

@@ -77,7 +77,7 @@ def solve(
     gen = GenerationStats()
     code = 0
     try:
-        for tok in generate(backend, seq, ids, sampler, opts.n_predict, gen):
+        for tok in generate(backend, seq, ids, sampler, opts.n_predict, gen, ignore_eos=opts.ignore_eos):
             out.token(tok.text)
     except KeyboardInterrupt:
         gen.stop_reason = "interrupted"
