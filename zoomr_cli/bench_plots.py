@@ -65,7 +65,7 @@ def _scale(ax, which: str, values: list[float]) -> None:
     axis = ax.xaxis if which == "x" else ax.yaxis
     if log_scale(values):
         (ax.set_xscale if which == "x" else ax.set_yscale)("log")
-        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
     else:
@@ -79,6 +79,12 @@ def _err(value: float, ci) -> tuple[float, float]:
     if ci is None:
         return 0.0, 0.0
     return max(0.0, value - ci[0]), max(0.0, ci[1] - value)
+
+
+def _bars(errs):
+    """errorbar's [below…], [above…] form; None when every bar is empty (single problems draw no caps)."""
+    errs = list(errs)
+    return [list(e) for e in zip(*errs)] if any(any(e) for e in errs) else None
 
 
 def _budget_label(budget) -> str:
@@ -97,8 +103,8 @@ def _series(ax, rows: list[dict], ci: dict, metric: str) -> list[float]:
         colour = policy_colour(policy)
         xs, ys, budgets = zip(*pts)
         cis = [ci.get((policy, b), {}) for b in budgets]
-        yerr = list(zip(*(_err(y, c.get(metric)) for y, c in zip(ys, cis))))
-        xerr = list(zip(*(_err(x, c.get("mean_active_tokens")) for x, c in zip(xs, cis))))
+        yerr = _bars(_err(y, c.get(metric)) for y, c in zip(ys, cis))
+        xerr = _bars(_err(x, c.get("mean_active_tokens")) for x, c in zip(xs, cis))
         ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt="o-", color=colour, ecolor=colour, elinewidth=0.9,
                     capsize=2.5, markersize=5, linewidth=1.4, label=policy)
         for x, y, b in pts:
@@ -108,17 +114,18 @@ def _series(ax, rows: list[dict], ci: dict, metric: str) -> list[float]:
     return xs_all
 
 
-def _finish_axes(ax, xs: list[float], ylabel: str, empty: str) -> None:
+def _finish_axes(ax, drawn: list[float], rows: list[dict], ylabel: str, empty: str) -> None:
+    """Labels, grid and the KV axis; its scale follows every row's KV, so both figures share it."""
     ax.set_xlabel("mean active KV (tokens)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if xs:
-        _scale(ax, "x", xs)
+    if drawn:
+        _scale(ax, "x", [r["mean_active_tokens"] for r in rows if r["mean_active_tokens"] is not None])
     else:
         ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", color="0.4")
 
 
-def _legend(fig, ax) -> None:
+def _legend(ax) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
 
@@ -137,32 +144,32 @@ def _accuracy_plot(plt, rows, ci, title, bars: bool, out: Path) -> Path:
     full = [r["accuracy"] for r in rows if r["policy"] == "full" and r["accuracy"] is not None]
     if full:  # the reference level across the whole KV range
         ax.axhline(full[0], color=PALETTE["full"], linestyle=":", linewidth=0.8, alpha=0.6)
-    _finish_axes(ax, xs, "accuracy (pass@1)", "no accuracy recorded")
+    _finish_axes(ax, xs, rows, "accuracy (pass@1)", "no accuracy recorded")
     ax.set_ylim(-0.03, 1.03)  # a fraction: always the whole 0–1 range, so runs compare by eye
     ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set_title("accuracy vs measured KV" + (" · bars: 95% Wilson (accuracy), bootstrap (KV)" if bars else ""),
                  fontsize=9)
     fig.suptitle(title, fontsize=10)
-    _legend(fig, ax)
+    _legend(ax)
     return _save(fig, out / "accuracy_vs_kv.png")
 
 
 def _fidelity_plot(plt, rows, ci, title, bars: bool, out: Path) -> Path:
     fig, (top1, kl) = plt.subplots(1, 2, figsize=(10.0, 4.2))
     xs = _series(top1, rows, ci, "fidelity_top1")
-    _finish_axes(top1, xs, "top-1 agreement with full KV", "no fidelity measured")
+    _finish_axes(top1, xs, rows, "top-1 agreement with full KV", "no fidelity measured")
     top1.set_ylim(top=1.01)
     top1.set_title("top-1 agreement (higher is closer to full)", fontsize=9)
     xs_kl = _series(kl, rows, ci, "fidelity_kl")
-    _finish_axes(kl, xs_kl, "KL(full ‖ policy) (nats/token)", "no fidelity measured")
+    _finish_axes(kl, xs_kl, rows, "KL(full ‖ policy) (nats/token)", "no fidelity measured")
     kl_vals = [r["fidelity_kl"] for r in rows if r["fidelity_kl"] is not None and r["mean_active_tokens"] is not None]
     if kl_vals:
         _scale(kl, "y", kl_vals)
-        if kl.get_yscale() == "linear":
-            kl.set_ylim(bottom=0)
+        if kl.get_yscale() == "linear":  # from 0, with room for the markers of policies that match full exactly
+            kl.set_ylim(-0.03 * kl.get_ylim()[1], kl.get_ylim()[1])
     kl.set_title("mean KL to full KV (lower is closer)", fontsize=9)
     fig.suptitle(title + (" · bars: 95% bootstrap over problems" if bars else ""), fontsize=10)
-    _legend(fig, kl)
+    _legend(kl)
     fig.tight_layout()
     return _save(fig, out / "fidelity_vs_kv.png")
 
@@ -214,7 +221,7 @@ def _active_plot(plt, records, title, out: Path) -> Path:
     else:
         ax.set_title(f"active KV per generated token · problem {pid}", fontsize=9)
     fig.suptitle(title, fontsize=10)
-    _legend(fig, ax)
+    _legend(ax)
     return _save(fig, out / "active_kv_vs_generated.png")
 
 
