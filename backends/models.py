@@ -53,6 +53,9 @@ def embedded_gguf() -> Path:
     raise ModelNotFound(f"package '{EMBEDDED_DIST}' is installed but holds no .gguf file")
 
 
+# the files of a HF model directory that loading reads (weights, config, tokenizer, generation settings)
+HF_FILE_PATTERNS = ("*.json", "*.safetensors", "tokenizer*")
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -90,7 +93,7 @@ def _hub_snapshot(repo_id: str) -> Path:
     """Local snapshot of a hub model: the cache first, the network only when allowed."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*"]
+    patterns = list(HF_FILE_PATTERNS)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
     except Exception:
