@@ -24,6 +24,7 @@ from .bench_log import RecordLog, record_key
 from .bench_match import TOLERANCE, match_error, predict_budget
 from .bench_metrics import summarize
 from .bench_plots import write_plots
+from .provenance import run_provenance
 from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from .bench_rescue import plan as plan_rescue_cells
 from .bench_run import run_cell, teacher_forced_fidelity
@@ -221,6 +222,7 @@ def bench(
         if rescue_plan is not None:
             with ui.status("loading helper and scorer…"):
                 rescue_cells = RescueCells(base, opts, rescue_plan)
+        _check_provenance(config, run_provenance(base.source.path))
         # only now, with every model loaded, does the folder take this run's settings
         (out / "config.json").write_text(json.dumps(config, indent=2))
         ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
@@ -351,6 +353,22 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
     return RecordLog(rec_path)
 
 
+def _check_provenance(config: dict, now: dict) -> None:
+    """Put this run's provenance into ``config``; a resumed run must use the same model file.
+
+    Library versions and the git commit may change between a run and its resume (they are recorded, the
+    newest wins); a different model under the same name would mix two models' records, so it is refused.
+
+    Raises:
+        UserError: the model's sha256 differs from the one the folder's run recorded.
+    """
+    old = (config.get("provenance") or {}).get("model_sha256")
+    if old and now.get("model_sha256") and old != now["model_sha256"]:
+        raise UserError(f"--resume: the model file differs from the run's (sha256 {now['model_sha256'][:12]}… "
+                        f"vs {old[:12]}…); choose another --out")
+    config["provenance"] = now
+
+
 def _plain(rec: dict) -> str:
     fid = "" if rec.get("fidelity_top1") is None else f" top1={rec['fidelity_top1']:.3f} kl={rec['fidelity_kl']:.3f}"
     if "helper_share" in rec:
@@ -375,7 +393,10 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     rescue = rescue_rows(rows)
     summary = {"config": config, "rows": rows, **({"rescue": rescue} if rescue else {})}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plots = write_plots(rows, log.records, out) if log.records else []
+    model = (config.get("provenance") or {}).get("model_path") or config["model"]
+    meta = {"model": Path(str(model)).name, "dataset": config["dataset"],
+            "problems": len({r["problem_id"] for r in log.records}), "n_predict": config["n_predict"]}
+    plots = write_plots(rows, log.records, out, meta)
     if ui.live:
         ui.out.print(_table(rows))
         if any(r["budget"] == MATCHED for r in rows):
