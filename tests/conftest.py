@@ -11,9 +11,9 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("ZOOMR_DATA", None)  # data set names resolve to the copies shipped in the package
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

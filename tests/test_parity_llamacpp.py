@@ -1,10 +1,8 @@
 """The torch decoder against llama.cpp on the same GGUF file, teacher-forced over real text."""
 
-import json
-
 import numpy as np
 
-from conftest import DATA
+from zoomr_cli.datasets import records
 
 N_TOKENS = 512
 
@@ -12,13 +10,11 @@ N_TOKENS = 512
 def real_text_ids(tokenizer, n: int) -> list[int]:
     """n tokens of real text: GSM8K questions and worked answers, in file order."""
     parts = []
-    with open(DATA / "gsm8k" / "test.jsonl") as f:
-        for line in f:
-            rec = json.loads(line)
-            parts.append(f"Question: {rec['question']}\nAnswer: {rec['answer']}\n\n")
-            ids = tokenizer.encode("".join(parts), add_bos=False, special=False)
-            if len(ids) >= n:
-                return ids[:n]
+    for rec in records("gsm8k"):  # the copy shipped in the package
+        parts.append(f"Question: {rec['question']}\nAnswer: {rec['answer']}\n\n")
+        ids = tokenizer.encode("".join(parts), add_bos=False, special=False)
+        if len(ids) >= n:
+            return ids[:n]
     raise AssertionError("GSM8K file too short")
 
 
