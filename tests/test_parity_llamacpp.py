@@ -1,6 +1,7 @@
 """The torch decoder against llama.cpp on the same GGUF file, teacher-forced over real text."""
 
 import numpy as np
+import pytest
 
 from zoomr_cli.datasets import records
 
@@ -23,8 +24,11 @@ def llamacpp_logits(path, ids: list[int]) -> np.ndarray:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False, seed=0)
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()  # now, not in __del__ at interpreter exit, when llama.cpp's bindings are already gone
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -33,6 +37,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_torch_matches_llamacpp_teacher_forced(torch_backend, embedded_path):
     ids = real_text_ids(torch_backend.tokenizer, N_TOKENS)
     seq = torch_backend.new_sequence()
