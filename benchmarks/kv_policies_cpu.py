@@ -30,9 +30,6 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500" / "test.jsonl"
-
-
 class TimedCache:
     """Wraps a KV cache and adds up the seconds spent in its own code (update + end_forward).
 
@@ -85,7 +82,9 @@ def time_applies(active) -> list[float]:
 
 def forced_ids(tokenizer, n_tokens: int) -> tuple[str, list[int]]:
     """(a MATH500 problem, ids of following problems' solutions concatenated, ``n_tokens`` long)."""
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    from zoomr_cli.datasets import records
+
+    rows = records("math500")  # the shipped copy unless $ZOOMR_DATA overrides it
     text = ""
     for row in rows[1:]:
         text += row["solution"].strip() + "\n\n"

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One compute thread for torch here and in every child (export OMP_NUM_THREADS to choose): on a shared
+# 2-core machine two spinning OpenMP threads run a bench cell about four times slower than one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("ZOOMR_DATA", None)  # data set names resolve to the copies shipped in the package
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +55,22 @@ def sigint_default() -> None:
     """``preexec_fn`` for children that tests Ctrl-C on: a shell that starts the suite in the background
     (``cmd &``) makes SIGINT ignored, children inherit that, and Python then never raises KeyboardInterrupt."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_for(pred, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Poll ``pred()`` (every 0.2 s) until it holds, for a child that must still be running meanwhile.
+
+    A child that exits first fails the test at once with its exit code and stderr (when piped), instead of
+    leaving the test to sit out ``timeout``; past ``timeout`` (seconds) the child is killed and the test fails.
+    ``what`` names the condition in the failure message.
+    """
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr is not None else "(stderr not piped)"
+            pytest.fail(f"child exited with {proc.returncode} before {what}; stderr:\n{err}", pytrace=False)
+        if time.monotonic() > deadline:
+            proc.kill()
+            err = proc.communicate()[1] if proc.stderr is not None else "(stderr not piped)"
+            pytest.fail(f"still no {what} after {timeout:.0f} s: child killed; stderr:\n{err}", pytrace=False)
+        time.sleep(0.2)

@@ -4,27 +4,27 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, sigint_default, zoomr_cmd
+from conftest import ROOT, sigint_default, wait_for, zoomr_cmd
 from zoomr_cli.bench import plan_cells
 from zoomr_cli.bench_log import RecordLog
 from zoomr_cli.bench_metrics import FidelityMeter, recovered_fraction
 from zoomr_cli.bench_rescue import rescue_rows
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-ARGS = ["bench", "--dataset", "gsm8k", "--limit", "3", "-n", "8", "--budget", "16", "--no-live"]
+ARGS = ["bench", "--dataset", "gsm8k", "-n", "8", "--budget", "16", "--no-live"]
 POLICIES = "full,streaming,rkv,zoomr"  # one of each kind: reference, budgeted, score-based, segmented
 
 
+@pytest.mark.slow
 def test_three_problem_bench_writes_everything(tmp_path):
     out = tmp_path / "b"
-    r = subprocess.run(zoomr_cmd() + ARGS + ["--policies", POLICIES, "--out", str(out)], capture_output=True,
-                       text=True, cwd=ROOT, env=ENV, timeout=1800)
+    r = subprocess.run(zoomr_cmd() + ARGS + ["--limit", "3", "--policies", POLICIES, "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1800)
     assert r.returncode == 0, r.stderr
     for f in ("records.jsonl", "summary.json", "config.json", "accuracy_vs_kv.png", "fidelity_vs_kv.png",
               "active_kv_vs_generated.png"):
@@ -40,28 +40,29 @@ def test_three_problem_bench_writes_everything(tmp_path):
         assert rec["tokens_generated"] <= 8 and isinstance(rec["correct"], bool)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_records_each_cell_once(tmp_path):
     out = tmp_path / "b"
-    cmd = zoomr_cmd() + ARGS + ["--policies", "full,streaming,zoomr", "--out", str(out)]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=ENV)
+    # 2 problems x 3 cells; the kill usually lands inside problem 0, so the resume reruns its full-KV reference
+    cmd = zoomr_cmd() + ARGS + ["--limit", "2", "--policies", "full,streaming,zoomr", "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     rec_path = out / "records.jsonl"
-    deadline = time.time() + 1200
-    while time.time() < deadline and (not rec_path.exists() or rec_path.read_text().count("\n") < 2):
-        time.sleep(0.2)
+    wait_for(lambda: lines_in(rec_path) >= 2, p, 600, "two records")
     p.send_signal(signal.SIGKILL)
     p.wait()
     before = rec_path.read_text().count("\n")
-    assert 2 <= before < 9
+    assert 2 <= before < 6
     r = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=1800)
     assert r.returncode == 0, r.stderr
     keys = Counter((j["problem_id"], j["policy"], j["budget"])
                    for j in map(json.loads, rec_path.read_text().splitlines()))
-    assert len(keys) == 9 and set(keys.values()) == {1}
+    assert len(keys) == 6 and set(keys.values()) == {1}
     # without --resume the same folder is refused rather than silently duplicated
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
     out = tmp_path / "c"
     cmd = zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "2", "-n", "8", "--budget", "16", "--no-live",
@@ -69,15 +70,18 @@ def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV,
                          preexec_fn=sigint_default)
     rec_path = out / "records.jsonl"
-    deadline = time.time() + 1200
-    while time.time() < deadline and (not rec_path.exists() or rec_path.read_text().count("\n") < 1):
-        time.sleep(0.2)
+    wait_for(lambda: lines_in(rec_path) >= 1, p, 600, "a first record")
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130 and err.strip().splitlines()[-1] == "zoomr: interrupted", err
     kept = rec_path.read_text().count("\n")
     assert 1 <= kept < 4 and "Traceback" not in err
     assert len(json.loads((out / "summary.json").read_text())["rows"]) >= 1  # written on the way out
+
+
+def lines_in(path) -> int:
+    """Complete lines in a file that may not exist yet."""
+    return path.read_text().count("\n") if path.exists() else 0
 
 
 def test_torn_last_line_is_dropped(tmp_path):
@@ -103,6 +107,7 @@ def _records(out):
     return [json.loads(l) for l in (out / "records.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     out = tmp_path / "b"
     small = ["bench", "--dataset", "gsm8k", "--limit", "2", "-n", "12", "--no-live", "--policies", "full",
@@ -149,6 +154,7 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     assert r.returncode == 2 and "rescue" in r.stderr
 
 
+@pytest.mark.slow
 def test_match_budget_gives_baselines_zoomrs_measured_kv(tmp_path):
     out = tmp_path / "m"
     r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "1", "-n", "40", "--no-live",

@@ -13,6 +13,7 @@ from zoomr_cli.options import RunOptions
 from zoomr_cli.render import Output
 
 
+@pytest.mark.slow
 def test_solve_zoomr_records_policy_statistics(tmp_path):
     out = tmp_path / "run.json"
     # a small window and k = c = 1 so that 40 tokens are enough to leave segments out

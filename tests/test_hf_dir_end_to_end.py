@@ -39,6 +39,7 @@ def hf_dir(tmp_path_factory, gguf_weights, embedded_path):
     return out
 
 
+@pytest.mark.slow
 def test_hf_tokenizer_matches_llamacpp(hf_dir, torch_backend):
     from backends.tokenizer import HFTokenizer
 
@@ -58,6 +59,7 @@ def run_solve(model, tmp_path, name, env_extra=None):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_cli_on_hf_dir_and_hub_cache_match_gguf(hf_dir, tmp_path):
     gguf_run = run_solve(None, tmp_path, "gguf")
     dir_run = run_solve(str(hf_dir), tmp_path, "dir")

@@ -17,6 +17,7 @@ BUDGET, SINK = 64, 4
 CAP = BUDGET + STREAMING_BUFFER
 
 
+@pytest.mark.slow
 def test_cli_solve_streaming_budget_completes(tmp_path):
     out = tmp_path / "run.json"
     cmd = zoomr_cmd() + ["solve", "examples/problem.txt", "--backend", "llamacpp", "--policy", "streaming",

@@ -123,6 +123,7 @@ def test_a_directory_without_score_head_is_refused(tiny_prm, tmp_path):
         ProcessRewardModel(ModelSource("hf", tmp_path, "no-head"), device="cpu", dtype="fp32")
 
 
+@pytest.mark.slow
 def test_prm_scores_a_rescue_run_from_the_cli(tiny_prm, tmp_path):
     """--prm plugs a real PRM into the loop (llama.cpp base, for speed); the JSON names it as the scorer."""
     from test_cli import zoomr

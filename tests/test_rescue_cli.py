@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from backends.llamacpp.policies import STREAMING_BUFFER
-from conftest import ROOT, sigint_default, zoomr_cmd
+from conftest import ROOT, sigint_default, wait_for, zoomr_cmd
 from kvstore.rkv import RKVPolicy
 from test_cli import ENV, assert_one_line_error, zoomr
 from zoomr_cli.errors import UserError
@@ -44,6 +44,7 @@ def check_record(rec: dict, steps_max: int, step_tokens: int, kv_bound: int) -> 
     assert "log-likelihood" in rec["scorer"] and "no --prm" in rec["scorer"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,policy,step_tokens,bound", [
     ("torch", "rkv", 16, 32 + RKVPolicy(32).slack),                  # R-KV: B + headroom buffer w (128)
     ("llamacpp", "streaming", 24, 32 + STREAMING_BUFFER),            # llama.cpp streaming: B + its eviction buffer
@@ -63,18 +64,19 @@ def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
     assert f"generated base {rec['base_tokens']} tok" in r.stdout and "answer:" in r.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_what_was_committed(tmp_path):
-    out = tmp_path / "run.json"
-    p = subprocess.Popen(zoomr_cmd() + ["solve", "-p", PROBLEM, "--rescue", "--backend", "llamacpp", "-t", "1",
-                                        "--step-tokens", "16", "--nb", "1", "--nh", "1", "--no-live", "--json", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
-                         preexec_fn=sigint_default)
-    try:
-        for line in p.stdout:           # wait for the first committed step, then interrupt mid-run
-            if line.startswith("[step 1 ·"):
-                break
+    out, printed = tmp_path / "run.json", tmp_path / "stdout.txt"
+    with printed.open("w") as sink:
+        p = subprocess.Popen(zoomr_cmd() + ["solve", "-p", PROBLEM, "--rescue", "--backend", "llamacpp", "-t", "1",
+                                            "--step-tokens", "16", "--nb", "1", "--nh", "1", "--no-live", "--json",
+                                            str(out)], stdout=sink, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=ROOT, preexec_fn=sigint_default)
+    try:  # wait for the first committed step, then interrupt mid-run
+        wait_for(lambda: "\n[step 1 ·" in "\n" + printed.read_text(errors="replace"), p, 600,
+                 "the first committed step")
         p.send_signal(signal.SIGINT)
-        stdout, stderr = p.communicate(timeout=120)
+        _, stderr = p.communicate(timeout=120)
     finally:
         p.kill()
     assert p.returncode == 130, stderr

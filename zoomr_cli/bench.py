@@ -28,7 +28,7 @@ from .provenance import run_provenance
 from .bench_rescue import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from .bench_rescue import plan as plan_rescue_cells
 from .bench_run import run_cell, teacher_forced_fidelity
-from .datasets import load_problems
+from .datasets import list_datasets, load_problems
 from .errors import UserError
 from .factory import build_backend, check_lengths, policy_spec, torch_cache_factory, with_policy
 from .options import POLICIES, RunOptions, model_options
@@ -170,6 +170,8 @@ def bench(
                                                "KV as budget (the paper's fair comparison).")] = False,
     fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="Teacher-forced fidelity to full KV.")] = True,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
+    show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
+                                                "(problems, source, fields) and exit.")] = False,
     *,
     opts: RunOptions,
     rescue: RescueOptions,
@@ -179,6 +181,9 @@ def bench(
     With --rescue, every budget also runs KV-Rescue (base evicting by --base-policy + full-KV helper) and
     the eviction-only best-of-N baseline: recovered fraction, helper share and base tokens are reported.
     """
+    if show_datasets:
+        _print_datasets(no_live)
+        return 0
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in chosen if p not in POLICIES]
     if not chosen:
@@ -279,6 +284,21 @@ def bench(
             live.stop()
         _finish(out, config, log, ui)
     return 0
+
+
+DATASET_COLUMNS = (("name", "name", ""), ("problems", "problems", ""), ("question", "question", ""),
+                   ("gold", "gold", ""), ("source", "source", ""))
+
+
+def _print_datasets(plain: bool) -> None:
+    """``--list-datasets``: a table on stdout, or one JSON object per set with ``--no-live``."""
+    rows = list_datasets()
+    if plain:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    Output(live=True).out.print(_grid("data sets · source: shipped with zoomr, or the $ZOOMR_DATA file that "
+                                      "overrides it", DATASET_COLUMNS, rows))
 
 
 def _zoomr_record(log: RecordLog, problem_id: str) -> dict:
