@@ -34,10 +34,14 @@ def test_three_problem_bench_writes_everything(tmp_path):
     rows = {(r["policy"], r["budget"]): r for r in json.loads((out / "summary.json").read_text())["rows"]}
     assert rows[("full", None)]["saving"] == 1.0
     # streaming with B=16 really holds less than full and so can disagree with it
-    assert rows[("streaming", 16)]["kv_mean_active_tokens"] < rows[("full", None)]["kv_mean_active_tokens"]
+    assert rows[("streaming", 16)]["mean_active_tokens"] < rows[("full", None)]["mean_active_tokens"]
     assert 0 <= rows[("streaming", 16)]["fidelity_top1"] <= 1
     for rec in recs:
         assert rec["tokens_generated"] <= 8 and isinstance(rec["correct"], bool)
+        assert rec["saving"] == pytest.approx(rec["mean_full_bytes"] / rec["mean_active_bytes"], rel=1e-2)
+        assert rec["mean_active_tokens"] <= rec["peak_active_tokens"] and rec["n_boxed_distinct"] >= 0
+    prov = json.loads((out / "config.json").read_text())["provenance"]
+    assert len(prov["model_sha256"]) == 64 and prov["packages"]["torch"]
 
 
 @pytest.mark.slow
@@ -86,7 +90,7 @@ def lines_in(path) -> int:
 
 def test_torn_last_line_is_dropped(tmp_path):
     p = tmp_path / "records.jsonl"
-    fields = '"correct": false, "kv_mean_active_tokens": 9, "tokens_generated": 4'
+    fields = '"correct": false, "mean_active_tokens": 9, "tokens_generated": 4'
     p.write_text('{"problem_id": "0", "policy": "full", "budget": null, %s}\n{"problem_id": "1", "pol' % fields)
     log = RecordLog(p)
     assert len(log.records) == 1 and p.read_text().endswith("}\n")
