@@ -210,6 +210,12 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["--rescue", "--base-policy", "full"], "must evict"),
     (None, ["--policies", "full,streaming,rkv", "--budget", "32", "--window", "32"], "cell streaming B=32"),
     (None, ["--policies", "full,rkv", "--sink", "2"], "--sink is read by streaming only"),
+    (None, ["--policies", "sumr", "--summaries", "bogus"], "cell sumr: --summaries"),
+    (None, ["--policies", "full", "--budget", "32"], "--budget is read by"),
+    (None, ["--policies", "full,rkv,zoomr", "--match-budget", "--budget", "32"], "drop --budget"),
+    (None, ["-t", "-1"], "-t must be >= 1"),
+    ("config_list", ["--out", "{o}", "--resume"], "not a bench config"),
+    ("records_no_config", ["--out", "{o}", "--resume"], "no config.json"),
     ("out_is_file", ["--out", "{d}"], "--out"),
     ("bad_record", ["--out", "{o}", "--resume"], "not a bench record"),
     ("binary_record", ["--out", "{o}", "--resume"], "not a bench record"),
@@ -227,10 +233,16 @@ def test_bench_bad_input_is_one_line_exit_2(tmp_path, case, args, needle):
         (o / "records.jsonl").write_bytes(b"\xfe\xff\x00garbage\n")
     elif case == "bad_config":
         (o / "config.json").write_text("{nope")
+    elif case == "config_list":
+        (o / "config.json").write_text("[]")
+    elif case == "records_no_config":
+        (o / "records.jsonl").write_text('{"problem_id": "0", "policy": "full", "budget": null, "correct": false, '
+                                         '"mean_active_tokens": 9, "tokens_generated": 4}\n')
     cmd = ["bench", "--limit", "1", "-n", "4", "--no-live", *[a.format(d=d, o=o) for a in args]]
     r = subprocess.run(zoomr_cmd() + cmd, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("zoomr: error:") and needle.lower() in lines[-1].lower(), r.stderr
     assert "Traceback" not in r.stderr
-    assert not (o / "config.json").exists() or case == "bad_config"  # a refused run leaves no settings behind
+    # a refused run leaves no settings behind
+    assert not (o / "config.json").exists() or case in ("bad_config", "config_list")

@@ -56,8 +56,8 @@ def validate_cells(cells: list[tuple[str, object]], opts: RunOptions) -> None:
         UserError: the first cell whose policy rejects its knobs, naming the cell.
     """
     for policy, budget in cells:
-        if policy not in KNOB_POLICIES["window"] + ("full",):
-            continue  # rescue cells: their base policy is checked by the rescue plan
+        if policy not in KNOB_POLICIES["window"]:
+            continue  # full reads no knob; rescue cells: their base policy is checked by the rescue plan
         b = opts.ctx_size if budget == MATCHED else (budget or opts.budget)
         try:
             torch_cache_factory(replace(opts, policy=policy, budget=b))
@@ -125,7 +125,7 @@ MAIN_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("n", "proble
                 ("bound", "bound_tokens", ""), ("×", "saving", ".2f"), ("×pk", "saving_peak", ".2f"),
                 ("no ans", "no_answer_at_cap_rate", ".2f"))
 MATCH_COLUMNS = (("policy", "policy", ""), ("n", "problems", ""), ("target KV", "target_active_tokens", ".1f"),
-                 ("achieved", "mean_active_tokens", ".1f"), ("B chosen", "budget_tokens_mean", ".1f"),
+                 ("achieved", "mean_active_tokens", ".1f"), ("B chosen", "budget_tokens_mean", ".0f"),
                  ("worst err", "match_error_max", "+.1%"), ("within ±10%", "matched_within", ""))
 MEMORY_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("active MiB", "mean_active_bytes", "mib"),
                   ("full MiB", "full_bytes", "mib"), ("device MiB", "device_kv_bytes", "mib"),
@@ -196,6 +196,10 @@ def bench(
     budgets = sorted(set(budget or [64]))
     if min(budgets) < 1:
         raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
+    if match_budget and budget:
+        raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
+    if budget and not rescue.rescue and not any(p in BUDGETED for p in chosen):
+        raise UserError(f"--budget is read by {', '.join(BUDGETED)} only, and none of --policies is one of them")
     if match_budget and "zoomr" not in chosen:
         raise UserError("--match-budget needs zoomr among --policies (its measured KV sets the budget)")
     sampling = opts.sampling(default_temp=0.0)
@@ -216,8 +220,9 @@ def bench(
         cells = [c for c in cells if c[0] not in BUDGETED] + [(p, MATCHED) for p in chosen if p in BUDGETED]
     if rescue_plan is not None:
         cells += RescueCells.cells([MATCHED] if match_budget else budgets)
+    scope = knob_scope(chosen, opts)  # a knob no policy reads is named as such, before any cell is built
     validate_cells(cells, opts)
-    for line in knob_scope(chosen, opts):
+    for line in scope:
         ui.info(line)
     log = _open_log(out, config, resume)
     base = rescue_cells = None
@@ -360,10 +365,15 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
     cfg_path, rec_path = out / "config.json", out / "records.jsonl"
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
+    if resume and rec_path.exists() and rec_path.stat().st_size and not cfg_path.exists():
+        raise UserError(f"--resume: {out} holds records but no config.json, so its settings cannot be checked; "
+                        "choose another --out")
     if resume and cfg_path.exists():
         try:
             old = json.loads(cfg_path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            if not isinstance(old, dict):
+                raise ValueError("not an object")
+        except (UnicodeDecodeError, ValueError):
             raise UserError(f"{cfg_path}: not a bench config (not JSON); remove it or choose another --out") from None
         # a setting the old run did not have (e.g. --rescue added later) only adds cells: allowed
         diff = [k for k in config if k in old and old[k] != config[k]]
@@ -401,7 +411,7 @@ def _match_note(rec: dict) -> str:
     if rec.get("match_error") is None:
         return ""
     flag = "" if rec["matched_within"] else " OFF-TARGET"
-    return f" B={rec['budget_tokens']} target={rec['target_active_tokens']:.0f} err={rec['match_error']:+.1%}{flag}"
+    return f" chosen_B={rec['budget_tokens']} target={rec['target_active_tokens']:.0f} err={rec['match_error']:+.1%}{flag}"
 
 
 def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
@@ -429,6 +439,10 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
             print(json.dumps(r))
     for line in rescue_warnings(log.records):
         ui.info(f"warning: {line}")
+    idle = [r for r in log.records if r["policy"] == "zoomr" and r.get("saving") and r["saving"] < 1.05]
+    if idle and any(r["budget"] == MATCHED for r in rows):
+        ui.info(f"warning: zoomr held (almost) full KV on {len(idle)} of its problems (saving < 1.05×): the matched "
+                "baselines there compare at full memory; generate longer (-n, --ignore-eos) to compare eviction")
     off = [r["policy"] for r in rows if r.get("matched_within") is False]
     if off:
         ui.info(f"warning: matched budget off by more than {TOLERANCE:.0%} for {', '.join(off)} "

@@ -80,11 +80,13 @@ def build_backend(opts: RunOptions) -> Backend:
 
 
 def check_lengths(opts: RunOptions) -> None:
-    """``-c`` and ``-n`` make sense (checked before any model loads).
+    """``-c``, ``-n`` and ``-t`` make sense (checked before any model loads).
 
     Raises:
-        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1.
+        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1, ``-t`` below 1.
     """
+    if opts.threads is not None and opts.threads < 1:
+        raise UserError(f"-t must be >= 1, got {opts.threads}")
     if opts.ctx_size < 16:
         raise UserError(f"-c {opts.ctx_size} is too small (at least 16 tokens)")
     if opts.n_predict == 0 or opts.n_predict < -1:
