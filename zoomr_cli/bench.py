@@ -242,7 +242,7 @@ def bench(
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     task = progress.add_task("bench", total=total)
     live = Live(Group(progress, _table(summarize(log.records))), refresh_per_second=2, transient=False,
-                console=ui.err) if not no_live else None
+                console=ui.err) if not no_live and ui.err.is_terminal else None
     try:
         if live:
             live.start()
@@ -365,9 +365,6 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
     cfg_path, rec_path = out / "config.json", out / "records.jsonl"
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
-    if resume and rec_path.exists() and rec_path.stat().st_size and not cfg_path.exists():
-        raise UserError(f"--resume: {out} holds records but no config.json, so its settings cannot be checked; "
-                        "choose another --out")
     if resume and cfg_path.exists():
         try:
             old = json.loads(cfg_path.read_text())
@@ -380,7 +377,11 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
         if diff:
             raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
         config.update({k: v for k, v in old.items() if k not in config})
-    return RecordLog(rec_path)
+    log = RecordLog(rec_path)
+    if log.records and not cfg_path.exists():
+        raise UserError(f"--resume: {out} holds records but no config.json, so its settings cannot be checked; "
+                        "choose another --out")
+    return log
 
 
 def _check_provenance(config: dict, now: dict) -> None:
