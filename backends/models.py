@@ -72,7 +72,7 @@ def resolve_model(spec: str | None) -> ModelSource:
     """
     if spec in (None, "", "default", EMBEDDED_NAME):
         return ModelSource("gguf", embedded_gguf(), EMBEDDED_NAME)
-    from configs import model_alias
+    from zoomr.configs import model_alias
 
     alias = model_alias(spec)
     if alias is not None:

@@ -1,6 +1,6 @@
 """Model tokenizers: llama.cpp's own vocabulary for GGUF files, HF ``tokenizers`` for HF directories.
 
-Both implement :class:`backends.base.Tokenizer`. For GGUF the vocabulary is loaded vocab-only by
+Both implement :class:`zoomr.backends.base.Tokenizer`. For GGUF the vocabulary is loaded vocab-only by
 llama.cpp, which is the exact tokenizer llama.cpp itself runs (pre-tokenizer regexes included).
 """
 
@@ -45,7 +45,7 @@ class LlamaCppTokenizer:
         self.eos_text = self.decode([int(llama.token_eos())]) if llama.token_eos() >= 0 else ""
 
     def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
-        """Token ids of ``text`` (see :class:`backends.base.Tokenizer`)."""
+        """Token ids of ``text`` (see :class:`zoomr.backends.base.Tokenizer`)."""
         return list(self._llama.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
 
     def decode(self, ids: list[int]) -> str:

@@ -21,7 +21,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def bench_torch(source, dtype: str, ids: list[int], n_decode: int, threads: int, device: str) -> dict:
-    from backends.torch.engine import TorchBackend
+    from zoomr.backends.torch.engine import TorchBackend
 
     be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads)
     be.prefill(be.new_sequence(), ids[:16])  # warm-up: allocator, kernels
@@ -75,8 +75,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
 
-    from backends.models import resolve_model
-    from backends.tokenizer import LlamaCppTokenizer
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.tokenizer import LlamaCppTokenizer
 
     src = resolve_model(a.model)
     ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)

@@ -38,11 +38,11 @@ GIB = 2 ** 30
 
 # -- part 1 -----------------------------------------------------------------------------------------
 def small_policies():
-    from kvstore.h2o import H2OPolicy
-    from kvstore.rkv import RKVPolicy
-    from kvstore.snapkv import SnapKVPolicy
-    from kvstore.streaming import StreamingPolicy
-    from kvstore.zoomr import ZoomRPolicy
+    from zoomr.kvstore.h2o import H2OPolicy
+    from zoomr.kvstore.rkv import RKVPolicy
+    from zoomr.kvstore.snapkv import SnapKVPolicy
+    from zoomr.kvstore.streaming import StreamingPolicy
+    from zoomr.kvstore.zoomr import ZoomRPolicy
 
     return {"streaming": lambda: StreamingPolicy(64), "h2o": lambda: H2OPolicy(64),
             "snapkv": lambda: SnapKVPolicy(64, buffer=32), "rkv": lambda: RKVPolicy(64, buffer=64),
@@ -51,14 +51,14 @@ def small_policies():
 
 def small_texts(n: int) -> list[str]:
     """Generated-token texts with a delimited summary after every 20 regular tokens."""
-    from kvstore.segments import BEGIN, END
+    from zoomr.kvstore.segments import BEGIN, END
 
     unit = ["w"] * 19 + ["."] + [BEGIN, "s", "s", END]
     return [unit[i % len(unit)] for i in range(n)]
 
 
 def sparse_vs_dense(device: torch.device, steps: int = 300) -> dict:
-    from kvstore.cache import PolicyKVCache
+    from zoomr.kvstore.cache import PolicyKVCache
 
     L, H, Hkv, d, n_prompt = 4, 8, 2, 64, 96
     texts = small_texts(steps)
@@ -102,7 +102,7 @@ def _attention_error(q, K, V, K_all, V_all, pos, group) -> float:
 
 # -- part 2 -----------------------------------------------------------------------------------------
 def qwen7b_config():
-    from backends.torch.config import ModelConfig
+    from zoomr.backends.torch.config import ModelConfig
 
     return ModelConfig(arch="qwen2", n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, head_dim=128,
                        ffn=18944, vocab=152064, rope_theta=1e6, rms_eps=1e-6, tied_embeddings=False,
@@ -148,11 +148,11 @@ def forward(model, cache, ids: torch.Tensor, text: str):
 
 def build_context(kind: str, model, cfg, ctx: int, device) -> object:
     """One sequence holding ``ctx`` positions, built the way ``kind`` would hold them."""
-    from kvstore.base import FullKVCache
-    from kvstore.cache import PolicyKVCache
-    from kvstore.full import FullPolicy
-    from kvstore.segments import BEGIN, END
-    from kvstore.zoomr import ZoomRPolicy
+    from zoomr.kvstore.base import FullKVCache
+    from zoomr.kvstore.cache import PolicyKVCache
+    from zoomr.kvstore.full import FullPolicy
+    from zoomr.kvstore.segments import BEGIN, END
+    from zoomr.kvstore.zoomr import ZoomRPolicy
 
     L, H, Hkv, d = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     rng = torch.Generator(device=device).manual_seed(0)
@@ -232,7 +232,7 @@ def main() -> None:
               f"same selection as CPU: {r['same_selection_as_cpu']}")
     print(f"part 1 done in {time.perf_counter() - t0:.0f} s")
 
-    from backends.torch.model import Decoder
+    from zoomr.backends.torch.model import Decoder
 
     cfg = qwen7b_config()
     model = Decoder(cfg, RandomWeights(cfg), device, torch.bfloat16)

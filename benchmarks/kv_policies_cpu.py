@@ -82,7 +82,7 @@ def time_applies(active) -> list[float]:
 
 def forced_ids(tokenizer, n_tokens: int) -> tuple[str, list[int]]:
     """(a MATH500 problem, ids of following problems' solutions concatenated, ``n_tokens`` long)."""
-    from zoomr_cli.datasets import records
+    from zoomr.evaluation.datasets import records
 
     rows = records("math500")  # the shipped copy unless $ZOOMR_DATA overrides it
     text = ""
@@ -95,7 +95,7 @@ def forced_ids(tokenizer, n_tokens: int) -> tuple[str, list[int]]:
 
 def sentence_chunks(tokenizer, ids: list[int], longest: int = 64) -> list[list[int]]:
     """Split ids after every token that ends at a semantic boundary (or every ``longest`` tokens)."""
-    from kvstore.segments import ends_at_boundary
+    from zoomr.kvstore.segments import ends_at_boundary
 
     chunks, cur, tail = [], [], ""
     for t in ids:
@@ -109,8 +109,8 @@ def sentence_chunks(tokenizer, ids: list[int], longest: int = 64) -> list[list[i
 
 def long_run(backend, spec, prompt_ids, chunks, checkpoints):
     """Part 1: ZoomR over the sentence chunks; returns (sequence, timed cache, applies list, report)."""
-    from backends.torch.engine import TorchSequence
-    from kvstore.registry import PolicyCacheFactory
+    from zoomr.backends.torch.engine import TorchSequence
+    from zoomr.kvstore.registry import PolicyCacheFactory
 
     cache = PolicyCacheFactory(spec)(backend)
     applied = time_applies(cache.active)
@@ -149,7 +149,7 @@ def long_run(backend, spec, prompt_ids, chunks, checkpoints):
 
 def decode_compare(backend, zoomr_seq, zoomr_timed, applied, prompt_ids, forced, n_decode):
     """Part 2: full KV (prefilled with the same tokens) vs ZoomR, one forced token at a time, interleaved."""
-    from backends.torch.engine import TorchSequence
+    from zoomr.backends.torch.engine import TorchSequence
 
     full_timed = TimedCache(backend.new_sequence().cache)
     full = TorchSequence(full_timed)
@@ -179,8 +179,8 @@ def decode_compare(backend, zoomr_seq, zoomr_timed, applied, prompt_ids, forced,
 
 def synthetic(n_tokens: int, window: int) -> dict:
     """Part 3: recompute cost of ZoomR on a random store of ``n_tokens`` at the embedded model's shape."""
-    from kvstore.cache import PolicyKVCache
-    from kvstore.zoomr import ZoomRPolicy
+    from zoomr.kvstore.cache import PolicyKVCache
+    from zoomr.kvstore.zoomr import ZoomRPolicy
 
     L, H, Hkv, d = 30, 9, 3, 64
     policy = ZoomRPolicy(window, 2, 2, "auto")
@@ -208,11 +208,11 @@ def synthetic(n_tokens: int, window: int) -> dict:
 
 
 def run(a) -> int:
-    from backends.chat_template import prompt_ids, render_chat
-    from backends.models import resolve_model
-    from backends.torch.engine import TorchBackend
-    from kvstore.registry import PolicySpec
-    from zoomr_cli.solve import solve_messages
+    from zoomr.backends.chat_template import prompt_ids, render_chat
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend
+    from zoomr.kvstore.registry import PolicySpec
+    from zoomr.prompts import solve_messages
 
     backend = TorchBackend(resolve_model(None), device="cpu", dtype=a.dtype, n_ctx=a.tokens + 1024,
                            threads=a.threads)

@@ -32,8 +32,8 @@ def chat_prompt(tokenizer) -> list[int]:
     """The ``zoomr solve examples/problem.txt`` prompt."""
     from pathlib import Path
 
-    from backends.chat_template import prompt_ids, render_chat
-    from zoomr_cli.solve import solve_messages
+    from zoomr.backends.chat_template import prompt_ids, render_chat
+    from zoomr.prompts import solve_messages
 
     problem = (Path(__file__).resolve().parents[1] / "examples" / "problem.txt").read_text().strip()
     return prompt_ids(tokenizer, render_chat(tokenizer, solve_messages(problem)))
@@ -76,8 +76,8 @@ def llama_generate_s(llm, ids: list[int], n: int) -> tuple[float, float]:
 def throughput(src, a) -> list[dict]:
     import llama_cpp
 
-    from backends.llamacpp.engine import LlamaCppBackend
-    from backends.llamacpp.policies import STREAMING_BUFFER
+    from zoomr.backends.llamacpp.engine import LlamaCppBackend
+    from zoomr.backends.llamacpp.policies import STREAMING_BUFFER
 
     evict = LlamaCppBackend(src, n_ctx=a.budget + STREAMING_BUFFER, threads=a.threads, policy="streaming",
                             budget=a.budget, max_sequences=1)
@@ -117,7 +117,7 @@ def throughput(src, a) -> list[dict]:
 def fork_cost(src, a) -> list[dict]:
     """Per-fork cost of both layouts at several prefix lengths: medians over 8 forks of CPU time (this process,
     one thread, so a busy machine does not inflate it)."""
-    from backends.llamacpp.engine import LlamaCppBackend
+    from zoomr.backends.llamacpp.engine import LlamaCppBackend
 
     rows = []
     for prefix in a.fork_prefix:
@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
 
-    from backends.models import resolve_model
+    from zoomr.backends.models import resolve_model
 
     src = resolve_model(a.model)
     out = {}

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from backends.base import KVMeter, KVStats
+from .stats import KVMeter, KVStats
 
 
 @runtime_checkable
@@ -47,7 +47,7 @@ class KVCache(Protocol):
         ...
 
     def stats(self) -> KVStats:
-        """Active/full token and byte counts (see :class:`backends.base.KVStats`)."""
+        """Active/full token and byte counts (see :class:`zoomr.backends.base.KVStats`)."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""A :class:`kvstore.base.KVCache` driven by a :class:`kvstore.policy.KVPolicy`, offloaded to host memory.
+"""A :class:`zoomr.kvstore.base.KVCache` driven by a :class:`zoomr.kvstore.policy.KVPolicy`, offloaded to host memory.
 
 Per layer and forward: the new K/V go to the host store (all positions, ZoomR §3.4), the active set
 (the policy's last selection + tokens appended since) is attended, and the policy observes the
@@ -15,7 +15,7 @@ import copy
 
 import torch
 
-from backends.base import KVMeter, KVStats
+from .stats import KVMeter, KVStats
 
 from .active_set import ResidentActiveSet, StreamedActiveSet
 from .events import EventBus
@@ -69,7 +69,7 @@ class PolicyKVCache:
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :meth:`kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last."""
+        """See :meth:`zoomr.kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last."""
         T = k.shape[1]
         if layer == 0 or self._pos_new.shape[0] != T:
             self._pos_new = torch.arange(self.n_tokens, self.n_tokens + T)
@@ -114,7 +114,7 @@ class PolicyKVCache:
     def stats(self) -> KVStats:
         """Active = positions attended at the last forward (max over layers; bytes summed over layers).
 
-        Means, peaks and allocations come from the cache's :class:`backends.base.KVMeter`; ``extra``
+        Means, peaks and allocations come from the cache's :class:`zoomr.backends.base.KVMeter`; ``extra``
         holds: ``policy`` (its description), ``moved_tokens`` (positions copied host → device by
         selections, per KV head) and the policy's own numbers (recomputes, AG mean/std, summaries mode ...).
         """

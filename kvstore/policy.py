@@ -1,6 +1,6 @@
 """The KV-policy seam: what a policy sees of each forward and how it answers with a selection.
 
-A policy never owns weights or storage. :class:`kvstore.cache.PolicyKVCache` stores every K/V in the
+A policy never owns weights or storage. :class:`zoomr.kvstore.cache.PolicyKVCache` stores every K/V in the
 host store, attends the active set, and asks the policy two questions:
 
 * :meth:`KVPolicy.observe` once per layer per forward, with the new queries and the keys just attended

@@ -53,7 +53,7 @@ class PolicySpec:
         topk_per_head, consensus: ZoomR's k and c.
         sink: StreamingLLM's sink tokens.
         summaries: ``model``, ``prompted`` or ``auto`` (SumR, ZoomR).
-        offload: ``resident`` or ``stream`` (see :class:`kvstore.cache.PolicyKVCache`).
+        offload: ``resident`` or ``stream`` (see :class:`zoomr.kvstore.cache.PolicyKVCache`).
     """
 
     name: str = "full"
@@ -98,7 +98,7 @@ class PolicySpec:
 
 
 class PolicyCacheFactory:
-    """``cache_factory`` for :class:`backends.torch.engine.TorchBackend`: one :class:`PolicyKVCache` per sequence.
+    """``cache_factory`` for :class:`zoomr.backends.torch.engine.TorchBackend`: one :class:`PolicyKVCache` per sequence.
 
     Args:
         spec: the policy options; validated here, before any model is loaded.
@@ -107,7 +107,7 @@ class PolicyCacheFactory:
 
     Attributes:
         policy_name: the policy with its knobs, e.g. ``zoomr(k=2, c=2, window=128, summaries=auto)``.
-        events: :class:`kvstore.events.EventBus` every cache made here publishes to.
+        events: :class:`zoomr.kvstore.events.EventBus` every cache made here publishes to.
     """
 
     def __init__(self, spec: PolicySpec):

@@ -6,7 +6,7 @@ Source: ZoomR paper §3.3–3.4 and Algorithm 1. The selection is
 
 where I_p is the prompt (the sequence's first forward, kept whole as the attention sink) and I_w the
 last ``window`` generated positions. It is recomputed only after a token whose text ends at a
-semantic boundary (:func:`kvstore.segments.ends_at_boundary`); in between, new tokens are appended to
+semantic boundary (:func:`zoomr.kvstore.segments.ends_at_boundary`); in between, new tokens are appended to
 the active set and attended. Generated tokens that are neither in the window nor in a chosen segment
 (the older part of a model-mode segment still being written) wait until their segment closes.
 Subclasses decide which segments are zoomed and which are summarized (:meth:`choose`).
@@ -29,7 +29,7 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
     Args:
         window: w, recent generated positions always kept (tokens, ≥ 1); also the longest paragraph
             segment in ``auto`` mode, so the segment being written fits the window.
-        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`kvstore.segments`).
+        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
     Raises:
         ValueError: window < 1 or an unknown summaries mode.
     """

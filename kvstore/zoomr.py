@@ -9,7 +9,7 @@ Source: ZoomR paper §3.3 and Algorithm 1.
 * Voting: every (layer, query head) votes for its top-k segments (k = 2; all of them when fewer);
   v_i = votes of segment i, I_all = {i : v_i > 0}.
 * Consensus: I_c = the c most-voted (c = 2; ties: the newer segment first), I_s = I_all \\ I_c.
-* Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`kvstore.segmented`).
+* Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`zoomr.kvstore.segmented`).
 * Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4).
 """
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def embedded_path() -> Path:
-    from backends.models import embedded_gguf
+    from zoomr.backends.models import embedded_gguf
 
     return embedded_gguf()
 
@@ -31,8 +31,8 @@ def embedded_path() -> Path:
 @pytest.fixture(scope="session")
 def torch_backend(embedded_path):
     """The torch backend on the embedded GGUF, fp32 on CPU (exact enough for parity checks)."""
-    from backends.models import resolve_model
-    from backends.torch.engine import TorchBackend
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend
 
     return TorchBackend(resolve_model(None), device="cpu", dtype="fp32", n_ctx=2048)
 
@@ -40,7 +40,7 @@ def torch_backend(embedded_path):
 @pytest.fixture(scope="session")
 def gguf_weights(embedded_path):
     """(config, float32 tensors) of the embedded model as the GGUF loader produces them."""
-    from backends.torch.weights import load_gguf
+    from zoomr.backends.torch.weights import load_gguf
 
     cfg, tensors, _ = load_gguf(embedded_path)
     return cfg, tensors
@@ -48,7 +48,7 @@ def gguf_weights(embedded_path):
 
 def zoomr_cmd() -> list[str]:
     """How tests run the CLI as a user would: the installed console script's module, this interpreter."""
-    return [sys.executable, "-m", "zoomr_cli"]
+    return [sys.executable, "-m", "zoomr"]
 
 
 def sigint_default() -> None:
@@ -74,3 +74,18 @@ def wait_for(pred, proc: subprocess.Popen, timeout: float, what: str) -> None:
             err = proc.communicate()[1] if proc.stderr is not None else "(stderr not piped)"
             pytest.fail(f"still no {what} after {timeout:.0f} s: child killed; stderr:\n{err}", pytrace=False)
         time.sleep(0.2)
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "ZOOMR_DEBUG": ""}
+
+
+def zoomr(*args, stdin: str | None = None, timeout: int = 300):
+    return subprocess.run(zoomr_cmd() + list(args), input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=ENV, cwd=ROOT)
+
+
+def assert_one_line_error(r, code=2):
+    assert r.returncode == code, (r.returncode, r.stderr)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert lines and lines[-1].startswith("zoomr: error:"), r.stderr
+    assert "Traceback" not in r.stderr

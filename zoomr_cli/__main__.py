@@ -1,3 +1,5 @@
-from .app import run
+"""``python -m zoomr``: the command line."""
+
+from zoomr.cli.app import run
 
 run()

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from backends.base import Backend
-from backends.models import resolve_model
+from zoomr.backends.base import Backend
+from zoomr.backends.models import resolve_model
 
-from .errors import UserError
-from .options import POLICIES, RunOptions
+from zoomr.errors import UserError
+from zoomr.options import POLICIES, RunOptions
 
 
 def policy_spec(opts: RunOptions):
-    """The :class:`kvstore.registry.PolicySpec` of ``opts``' policy and knobs (not validated)."""
-    from kvstore.registry import PolicySpec
+    """The :class:`zoomr.kvstore.registry.PolicySpec` of ``opts``' policy and knobs (not validated)."""
+    from zoomr.kvstore.registry import PolicySpec
 
     return PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
                       opts.summaries)
@@ -25,7 +25,7 @@ def torch_cache_factory(opts: RunOptions):
     Raises:
         ValueError: bad policy knobs (checked here, before any model loads).
     """
-    from kvstore.registry import PolicyCacheFactory
+    from zoomr.kvstore.registry import PolicyCacheFactory
 
     spec = policy_spec(opts)
     spec.build()
@@ -34,7 +34,7 @@ def torch_cache_factory(opts: RunOptions):
 
 
 def _torch(opts: RunOptions) -> Backend:
-    from backends.torch.engine import TorchBackend
+    from zoomr.backends.torch.engine import TorchBackend
 
     factory = torch_cache_factory(opts)
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
@@ -54,7 +54,7 @@ def with_policy(backend: Backend, opts: RunOptions) -> Backend:
 
 
 def _llamacpp(opts: RunOptions) -> Backend:
-    from backends.llamacpp.engine import LlamaCppBackend
+    from zoomr.backends.llamacpp.engine import LlamaCppBackend
 
     return LlamaCppBackend(resolve_model(opts.model), n_ctx=opts.ctx_size, threads=opts.threads,
                            n_gpu_layers=opts.n_gpu_layers, policy=opts.policy, budget=opts.budget,

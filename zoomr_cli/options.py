@@ -1,24 +1,12 @@
-"""Options shared by every command that runs a model (llama.cpp names where they exist).
-
-:func:`model_options` adds them to a Typer command's signature and hands the command one
-:class:`RunOptions`, so ``solve``, ``chat`` and ``bench`` declare them once.
-"""
+"""What one run of a model needs: model, backend, context, sampling and KV policy (llama.cpp names)."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-import typing
-from dataclasses import dataclass, fields
-from typing import Annotated, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-import typer
+from zoomr.backends.sampling import SamplingParams
 
-from backends.sampling import SamplingParams
-
-PANEL_MODEL = "Model and backend"
-PANEL_SAMPLING = "Sampling"
-PANEL_KV = "KV policy"
 POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
 
 
@@ -55,89 +43,3 @@ class RunOptions:
         """
         temp = default_temp if self.temp is None else self.temp
         return SamplingParams(temperature=temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed).validate()
-
-
-_OPTION_DECLS = {
-    "model": (Optional[str], typer.Option("-m", "--model", help="GGUF file, HF model directory or hub id "
-                                          "(default: the embedded SmolLM2-135M-Instruct).", rich_help_panel=PANEL_MODEL)),
-    "backend": (str, typer.Option("--backend", help="Model runtime: torch (our decoder, KV policies) or llamacpp.",
-                                  rich_help_panel=PANEL_MODEL)),
-    "ctx_size": (int, typer.Option("-c", "--ctx-size", help="Most KV positions a sequence may hold (tokens).",
-                                   rich_help_panel=PANEL_MODEL)),
-    "n_predict": (int, typer.Option("-n", "--n-predict", help="Most tokens to generate (-1: until EOS or -c).",
-                                    rich_help_panel=PANEL_MODEL)),
-    "threads": (Optional[int], typer.Option("-t", "--threads", help="CPU threads (default: all cores).",
-                                            rich_help_panel=PANEL_MODEL)),
-    "n_gpu_layers": (int, typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the GPU "
-                                       "(-1 all); torch: 0 forces the CPU.", rich_help_panel=PANEL_MODEL)),
-    "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
-                                 rich_help_panel=PANEL_MODEL)),
-    "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16), fp32, "
-                                "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
-    "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
-    "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
-    "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),
-    "seed": (int, typer.Option("-s", "--seed", help="RNG seed for sampling.", rich_help_panel=PANEL_SAMPLING)),
-    "ignore_eos": (bool, typer.Option("--ignore-eos", help="Never sample end-of-sequence: generate -n tokens "
-                                      "(long-context measurements; not the rescue loop).",
-                                      rich_help_panel=PANEL_SAMPLING)),
-    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(POLICIES)}.", rich_help_panel=PANEL_KV)),
-    "budget": (int, typer.Option("--budget", help="KV budget B of the evicting policies (tokens).",
-                                 rich_help_panel=PANEL_KV)),
-    "window": (Optional[int], typer.Option("--window", help="Recent window w (tokens; default: the policy's own).",
-                                           rich_help_panel=PANEL_KV)),
-    "topk_per_head": (int, typer.Option("--topk-per-head", help="zoomr: summaries each layer/head votes for (k).",
-                                        rich_help_panel=PANEL_KV)),
-    "consensus": (int, typer.Option("--consensus", help="zoomr: most-voted summaries zoomed in (c).",
-                                    rich_help_panel=PANEL_KV)),
-    "sink": (int, typer.Option("--sink", help="streaming: attention-sink tokens kept at the start.",
-                               rich_help_panel=PANEL_KV)),
-    "summaries": (str, typer.Option("--summaries", help="zoomr/sumr segments: model (delimiters the model "
-                                    "writes), prompted, auto (paragraphs when none appear).", rich_help_panel=PANEL_KV)),
-}
-
-
-def model_options(exclude: tuple[str, ...] = (), **defaults):
-    """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
-
-    Args:
-        exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
-            they keep RunOptions' defaults in ``opts``.
-        defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
-    """
-    base = {f.name: f.default for f in fields(RunOptions)}
-    base.update(defaults)
-    decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
-
-    def wrap(fn):
-        return grouped_options(fn, "opts", decls, base,
-                               lambda values: RunOptions(**values, **{name: base[name] for name in exclude}))
-
-    return wrap
-
-
-def grouped_options(fn, param: str, decls: dict, defaults: dict, build):
-    """Replace ``fn``'s parameter ``param`` by one Typer option per entry of ``decls``.
-
-    The returned command takes the options as keyword arguments, rebuilds the group with
-    ``build({name: value})`` and calls ``fn(param=group, ...)``; ``fn``'s other parameters are kept.
-
-    Args:
-        decls: ``{name: (type, typer.Option(...))}``; defaults: ``{name: default}`` for each of them.
-    """
-    sig = inspect.signature(fn)
-    hints = typing.get_type_hints(fn, include_extras=True)  # the command module may defer annotations
-    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != param]
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
-                               annotation=Annotated[typ, opt]) for name, (typ, opt) in decls.items()]
-
-    @functools.wraps(fn)
-    def command(**kwargs):
-        group = build({name: kwargs.pop(name) for name in decls})
-        return fn(**{param: group}, **kwargs)
-
-    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
-    command.__signature__ = sig.replace(parameters=params)
-    command.__annotations__ = {p.name: p.annotation for p in params}
-    del command.__wrapped__  # Typer must read the new signature, not fn's
-    return command

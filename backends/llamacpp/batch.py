@@ -19,7 +19,7 @@ class Batch:
     def __init__(self, capacity: int):
         import llama_cpp
 
-        from backends.base import BackendError
+        from zoomr.backends.base import BackendError
 
         self.capacity = capacity
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)

@@ -1,4 +1,4 @@
-"""The llama.cpp backend: llama-cpp-python's low-level API behind :class:`backends.base.Backend`.
+"""The llama.cpp backend: llama-cpp-python's low-level API behind :class:`zoomr.backends.base.Backend`.
 
 One llama.cpp context serves every sequence; a zoomr sequence is a llama.cpp sequence id, and a
 fork is ``llama_memory_seq_cp`` (the prefix is never decoded again). How the KV cache is laid out
@@ -33,10 +33,10 @@ from typing import Callable
 
 import numpy as np
 
-from backends.base import BackendError, KVMeter, KVStats
-from backends.models import ModelSource
-from backends.tokenizer import LlamaCppTokenizer
-from kvstore.events import EventBus
+from zoomr.backends.base import BackendError, KVMeter, KVStats
+from zoomr.backends.models import ModelSource
+from zoomr.backends.tokenizer import LlamaCppTokenizer
+from zoomr.kvstore.events import EventBus
 
 from .batch import Batch
 from .policies import STREAMING_BUFFER, make_policy
@@ -79,7 +79,7 @@ class LlamaCppBackend:
         threads: CPU threads for decode and prefill (``-t``); None = all cores of this process.
         n_gpu_layers: layers offloaded to the GPU (``-ngl``, -1 = all); no effect on a CPU build.
         policy, budget, window, sink, summaries, buffer: KV policy and its parameters (tokens), see
-            :mod:`backends.llamacpp.policies`; ``full``, ``streaming`` and ``sumr`` are supported.
+            :mod:`zoomr.backends.llamacpp.policies`; ``full``, ``streaming`` and ``sumr`` are supported.
         max_sequences: llama.cpp sequence ids (``n_seq_max``): the parent plus the forks alive at
             once; a fork beyond it raises :class:`BackendError`. None: 8, or under an evicting policy
             as many as fit 8192 cells of private streams (at least 1).
@@ -401,7 +401,7 @@ class LlamaCppBackend:
             remove_positions(self._mem, seq, seq.policy.evict(list(seq.origin)))
 
     def cells_held(self, seq: LlamaCppSequence) -> int:
-        """KV cells llama.cpp holds for ``seq`` (see :func:`backends.llamacpp.sequence.cells_held`)."""
+        """KV cells llama.cpp holds for ``seq`` (see :func:`zoomr.backends.llamacpp.sequence.cells_held`)."""
         return cells_held(self._mem, seq.seq_id)
 
     # --- eviction --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ llama.cpp exposes no attention scores, queries or keys through its memory API, o
 operations on KV cells (``seq_rm``, ``seq_cp``, ``seq_add``). So this backend offers the policies
 that need nothing else: ``full`` (no eviction), ``streaming`` (attention sinks + recent tokens,
 StreamingLLM) and ``sumr`` (prompt + summaries + recent tokens, ZoomR's SumR ablation; see
-:mod:`backends.llamacpp.sumr`). Policies that rank tokens by attention (h2o, snapkv, rkv) or by
+:mod:`zoomr.backends.llamacpp.sumr`). Policies that rank tokens by attention (h2o, snapkv, rkv) or by
 query·mean-key votes (zoomr) run on the torch backend; asking for them here is a ``ValueError``
 naming what is supported.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from kvstore.events import EventBus
+from zoomr.kvstore.events import EventBus
 
 SUPPORTED = ("full", "streaming", "sumr")
 NEEDS_TORCH = {
@@ -109,7 +109,7 @@ class StreamingPolicy:
     """StreamingLLM: keep the ``sink`` first tokens and the ``window`` most recent ones.
 
     ``--budget``, ``--sink`` and ``--window`` mean what they mean on the torch backend
-    (``kvstore.streaming``): ``window`` defaults to ``budget - sink`` and ``sink + window ≤ budget``.
+    (``zoomr.kvstore.streaming``): ``window`` defaults to ``budget - sink`` and ``sink + window ≤ budget``.
     Eviction runs in bursts: the sequence grows to ``sink + window + buffer`` cells, then drops back
     to ``sink + window`` in one ``seq_rm`` + ``seq_add``. Each shift makes llama.cpp re-rotate the
     cached keys, which costs about a quarter of the decode speed when done every token (measured on
@@ -164,7 +164,7 @@ STREAMING_BUFFER = 16  # tokens between evictions, see StreamingPolicy
 
 
 def _streaming(n_ctx: int, budget: int, window: int | None, sink: int, buffer: int) -> StreamingPolicy:
-    from kvstore.streaming import streaming_window
+    from zoomr.kvstore.streaming import streaming_window
 
     window = streaming_window(budget, sink, window)
     if buffer < 1:

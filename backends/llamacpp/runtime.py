@@ -1,7 +1,7 @@
 """llama.cpp process setup and model loading through llama-cpp-python's low-level (ctypes) API.
 
 Everything here is per process or per model file; contexts, batches and sequences live in
-:mod:`backends.llamacpp.engine`. Sources: llama.cpp ``include/llama.h`` as bound in
+:mod:`zoomr.backends.llamacpp.engine`. Sources: llama.cpp ``include/llama.h`` as bound in
 ``llama_cpp/llama_cpp.py`` (llama-cpp-python ≥ 0.3.17).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.base import BackendError
-from backends.llama_log import silence_llama_logs
+from zoomr.backends.base import BackendError
+from zoomr.backends.llama_log import silence_llama_logs
 
 # ggml_type ids (ggml.h) of the KV-cache element types this backend allocates, and their sizes.
 GGML_TYPE_F16 = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from backends.base import BackendError, KVMeter
+from zoomr.backends.base import BackendError, KVMeter
 
 from .policies import CellPolicy
 
@@ -24,7 +24,7 @@ class LlamaCppSequence:
         peak_cells_llama: most cells held at once as llama.cpp reports them (pos_max - pos_min + 1).
         evictions, evicted_tokens: eviction bursts and tokens removed by them.
         meter: the sequence's KV accounting (means over decode calls, peaks; see
-            :class:`backends.base.KVMeter`); None until the engine attaches one.
+            :class:`zoomr.backends.base.KVMeter`); None until the engine attaches one.
         forwards: prefill/decode calls so far.
     """
 

@@ -2,10 +2,10 @@
 
 Source: ZoomR paper §4 (SumR "retains only the summary tokens and does not perform any detailed
 token retrieval") and §3.3–3.4 (prompt kept whole, recent window, recompute at semantic
-boundaries). Segments come from the backend-neutral tracker :mod:`kvstore.segments` (delimited
+boundaries). Segments come from the backend-neutral tracker :mod:`zoomr.kvstore.segments` (delimited
 summaries, or paragraph segments with an extractive stand-in when the model writes none).
 
-Differences from the torch backend's SumR (``kvstore.sumr``), all forced by llama.cpp keeping no
+Differences from the torch backend's SumR (``zoomr.kvstore.sumr``), all forced by llama.cpp keeping no
 copy of an evicted cell:
 - The segment still being written is never evicted (its summary is not known yet), so it stays
   attended; the torch policy hides its older part until it closes.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import copy
 
-from kvstore.events import EventBus, RecomputeEvent
-from kvstore.segments import SegmentTracker, ends_at_boundary
+from zoomr.kvstore.events import EventBus, RecomputeEvent
+from zoomr.kvstore.segments import SegmentTracker, ends_at_boundary
 
 
 class SumRCells:
@@ -34,7 +34,7 @@ class SumRCells:
         n_ctx: ``-c``, the most cells the sequence may hold (tokens).
         window: w, recent generated tokens always kept (tokens, 1 ≤ w < n_ctx); also the longest
             paragraph segment, as on the torch backend.
-        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`kvstore.segments`).
+        summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
         events: where a :class:`RecomputeEvent` goes at every recompute (live display), or None.
     Raises:
         ValueError: window out of range or an unknown summaries mode.

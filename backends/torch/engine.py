@@ -1,4 +1,4 @@
-"""The torch backend: our decoder + a pluggable per-sequence KV cache, behind :class:`backends.base.Backend`."""
+"""The torch backend: our decoder + a pluggable per-sequence KV cache, behind :class:`zoomr.backends.base.Backend`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from backends.base import KVStats
-from backends.models import ModelSource
-from backends.tokenizer import HFTokenizer, LlamaCppTokenizer
-from kvstore.base import FullKVCache, KVCache
+from zoomr.backends.base import KVStats
+from zoomr.backends.models import ModelSource
+from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
+from zoomr.kvstore.base import FullKVCache, KVCache
 
 from .model import Decoder
 from .weights import load_gguf, load_hf_dir
@@ -70,7 +70,7 @@ def _full_cache(backend: "TorchBackend") -> KVCache:
 
 
 class TorchBackend:
-    """Our own decoder on CUDA or CPU, with any :class:`kvstore.base.KVCache` per sequence.
+    """Our own decoder on CUDA or CPU, with any :class:`zoomr.kvstore.base.KVCache` per sequence.
 
     Args:
         source: resolved model files (GGUF or HF directory).
@@ -143,11 +143,11 @@ class TorchBackend:
         return logits.cpu().numpy()
 
     def prefill(self, seq: TorchSequence, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        """See :meth:`backends.base.Backend.prefill`. Raises ValueError when ``-c`` would be exceeded."""
+        """See :meth:`zoomr.backends.base.Backend.prefill`. Raises ValueError when ``-c`` would be exceeded."""
         return self._forward(seq, list(ids), all_logits)
 
     def decode(self, seq: TorchSequence, token: int) -> np.ndarray:
-        """See :meth:`backends.base.Backend.decode`."""
+        """See :meth:`zoomr.backends.base.Backend.decode`."""
         return self._forward(seq, [int(token)], False)
 
     def fork(self, seq: TorchSequence) -> TorchSequence:

@@ -2,7 +2,7 @@
 
 Pre-norm transformer: RMSNorm → attention (GQA, RoPE, optional q/k/v bias) → residual →
 RMSNorm → SwiGLU MLP → residual; final RMSNorm; LM head (tied or not). Attention reads its keys
-and values through a :class:`kvstore.base.KVCache`, which is where KV policies plug in.
+and values through a :class:`zoomr.kvstore.base.KVCache`, which is where KV policies plug in.
 
 Source: the HF ``transformers`` Llama and Qwen2 modelling code (architecture facts only).
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvstore.base import KVCache
+from zoomr.kvstore.base import KVCache
 
 from .config import ModelConfig
 from .rope import RotaryTable, apply_rotary, inv_frequencies

@@ -22,10 +22,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from backends.chat_template import prompt_ids, render_chat
-from backends.models import ModelSource
-from backends.tokenizer import HFTokenizer
-from kvstore.base import FullKVCache
+from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.models import ModelSource
+from zoomr.backends.tokenizer import HFTokenizer
+from zoomr.kvstore.base import FullKVCache
 
 from .config import ModelConfig
 from .engine import pick_device, pick_dtype
@@ -70,8 +70,8 @@ class ProcessRewardModel:
     """Qwen2.5-Math-PRM-style step rewards.
 
     Args:
-        source: HF directory (a hub id resolved by :func:`backends.models.resolve_model`).
-        device, dtype: as for :class:`backends.torch.engine.TorchBackend` (``auto``: CUDA if present, bf16).
+        source: HF directory (a hub id resolved by :func:`zoomr.backends.models.resolve_model`).
+        device, dtype: as for :class:`zoomr.backends.torch.engine.TorchBackend` (``auto``: CUDA if present, bf16).
     Raises:
         ModelLoadError: see :func:`load_prm_dir`; also a tokenizer without a single-token ``<extra_0>``.
         ValueError: bad device or dtype.

@@ -1,0 +1,99 @@
+"""The CLI as a user runs it: subprocesses on the embedded model, and every kind of bad input."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import ENV, ROOT, assert_one_line_error, sigint_default, wait_for, zoomr, zoomr_cmd
+
+@pytest.mark.slow
+def test_solve_json_record(tmp_path):
+    out = tmp_path / "run.json"
+    r = zoomr("solve", "examples/problem.txt", "-n", "12", "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert 0 < rec["tokens_generated"] <= 12
+    assert rec["text"] and rec["text"] in r.stdout
+    assert rec["kv"]["full_tokens"] == rec["prompt_tokens"] + rec["tokens_generated"]
+    assert rec["kv"]["active_tokens"] == rec["kv"]["full_tokens"]  # full KV policy
+    assert rec["kv"]["full_bytes"] == rec["kv"]["full_tokens"] * 2 * 30 * 3 * 64 * 2  # bf16 (auto)
+    assert rec["timing"]["prefill_tok_s"] > 0 and rec["timing"]["decode_tok_s"] > 0
+    assert "answer:" in r.stdout and "decode" in r.stdout
+
+
+@pytest.mark.slow
+def test_solve_from_stdin_prompt_too_long_for_ctx():
+    r = zoomr("solve", "-", "-c", "32", "--no-live", stdin="What is 2+2? " * 20)
+    assert_one_line_error(r)
+    assert "-c 32" in r.stderr
+
+
+@pytest.mark.parametrize("setup,args,needle", [
+    (None, ["missing.txt"], "no such file"),
+    ("empty", ["{p}"], "empty"),
+    ("binary", ["{p}"], "binary"),
+    ("latin1", ["{p}"], "UTF-8"),
+    (None, ["examples/problem.txt", "-m", "nope/missing.gguf"], "no such model"),
+    ("noise", ["examples/problem.txt", "-m", "{p}"], "GGUF"),
+    ("dir", ["examples/problem.txt", "-m", "{p}"], "config.json"),
+    (None, ["examples/problem.txt", "--top-p", "2"], "top-p"),
+    (None, ["examples/problem.txt", "--temp", "-1"], "temp"),
+    (None, ["examples/problem.txt", "--backend", "vllm"], "backend"),
+    (None, ["examples/problem.txt", "--json", "/nonexistent/dir/x.json"], "does not exist"),
+    (None, ["-p", "   "], "empty"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, needle):
+    p = tmp_path / "input"
+    if setup == "empty":
+        p.write_text("  \n")
+    elif setup == "binary":
+        p.write_bytes(b"\x7fELF\x00\x01\x02")
+    elif setup == "latin1":
+        p.write_bytes("café au lait".encode("latin-1"))
+    elif setup == "noise":
+        p = tmp_path / "noise.gguf"
+        p.write_bytes(os.urandom(8192))
+    elif setup == "dir":
+        p.mkdir()
+    r = zoomr("solve", *[a.format(p=p) for a in args], "--no-live")
+    assert_one_line_error(r)
+    assert needle.lower() in r.stderr.lower()
+
+
+def test_unknown_option_is_usage_error():
+    r = zoomr("solve", "--frobnicate")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_help_lists_commands_and_llamacpp_flags():
+    r = zoomr("--help")
+    assert r.returncode == 0 and "solve" in r.stdout and "chat" in r.stdout
+    r = zoomr("solve", "--help")
+    for flag in ("-m", "-c", "-n", "-t", "-s", "--temp", "--top-k", "--top-p", "-p", "-f", "-ngl", "--json"):
+        assert flag in r.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_partial_result(tmp_path):
+    """SIGINT mid-generation: exit 130, the text so far printed and written to --json."""
+    import signal
+    import time
+
+    out, streamed = tmp_path / "partial.json", tmp_path / "stdout.txt"
+    with streamed.open("w") as sink:
+        p = subprocess.Popen(zoomr_cmd() + ["solve", "examples/problem.txt", "-n", "2000", "--no-live", "--json",
+                                            str(out)], stdout=sink, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=ROOT, preexec_fn=sigint_default)
+    # wait until tokens stream, then interrupt
+    wait_for(lambda: len(streamed.read_text(errors="replace")) >= 40, p, 300, "40 characters of streamed text")
+    first = streamed.read_text(errors="replace")[:40]
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    rec = json.loads(out.read_text())
+    assert rec["stop_reason"] == "interrupted" and 0 < rec["tokens_generated"] < 2000
+    assert rec["text"].startswith(first.strip()[:10])

@@ -1,0 +1,77 @@
+"""``zoomr solve --policy ...`` as a user runs it: the ZoomR record, the live zoom events, bad knobs."""
+
+import json
+
+import pytest
+
+from zoomr.backends.base import KVStats
+from zoomr.kvstore.events import EventBus, RecomputeEvent
+from conftest import assert_one_line_error, zoomr
+from zoomr.factory import build_backend
+from zoomr.cli.kv_display import attach_live_events, policy_line
+from zoomr.prompts import system_with_summaries
+from zoomr.options import RunOptions
+from zoomr.cli.render import Output
+
+
+@pytest.mark.slow
+def test_solve_zoomr_records_policy_statistics(tmp_path):
+    out = tmp_path / "run.json"
+    # a small window and k = c = 1 so that 40 tokens are enough to leave segments out
+    r = zoomr("solve", "examples/problem.txt", "--policy", "zoomr", "--window", "8", "--topk-per-head", "1",
+              "--consensus", "1", "-n", "40", "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    kv = rec["kv"]
+    assert kv["policy"].startswith("zoomr(k=1, c=1, window=8")
+    assert kv["full_tokens"] == rec["prompt_tokens"] + rec["tokens_generated"]
+    assert kv["active_tokens"] < kv["full_tokens"] and kv["active_bytes"] < kv["full_bytes"]
+    assert kv["mean_active_tokens"] <= kv["peak_active_tokens"] <= kv["full_tokens"]
+    # saving compares time-averaged bytes over the same decode steps; the host copy is reported, not hidden
+    assert kv["saving"] == pytest.approx(kv["mean_full_bytes"] / kv["mean_active_bytes"], rel=1e-2)
+    assert kv["host_kv_bytes"] >= kv["full_bytes"] and kv["device_kv_bytes"] >= kv["active_bytes"]
+    assert kv["bound_measured"] and kv["bound_tokens"] <= kv["peak_active_tokens"]
+    assert kv["saving"] > 1 and kv["recomputes"] >= 1 and kv["segments"] >= 1
+    assert kv["summaries_mode"] == "paragraphs" and kv["summaries_option"] == "auto"
+    assert 0 < kv["ag_mean"] <= 1 and kv["ag_std"] >= 0
+    assert "KV policy zoomr" in r.stdout and "summaries: paragraphs" in r.stdout and "AG " in r.stdout
+    assert "policy zoomr" in r.stderr                       # describe() names the policy
+
+
+def test_bad_policy_knob_is_one_line_exit_2():
+    r = zoomr("solve", "examples/problem.txt", "--no-live", "--policy", "h2o", "--budget", "0")
+    assert_one_line_error(r)
+    assert "--budget must be at least 1 token, got 0" in r.stderr
+
+
+@pytest.mark.parametrize("opts,needle", [
+    (RunOptions(policy="streaming", budget=8, window=8), "--sink 4 + --window 8"),
+    (RunOptions(policy="zoomr", summaries="bogus"), "--summaries"),
+    (RunOptions(policy="full", budget=0), "--budget"),
+])
+def test_factory_rejects_bad_knobs_before_loading_the_model(opts, needle):
+    with pytest.raises(ValueError, match=needle.replace("+", r"\+")):
+        build_backend(opts)
+
+
+def test_live_display_prints_each_zoom_event(capsys):
+    bus = EventBus()
+    assert attach_live_events(bus, Output(live=True))
+    assert not attach_live_events(bus, Output(live=False)) and not attach_live_events(None, Output(live=True))
+    bus.emit(RecomputeEvent("zoomr", 120, [3, 5], [1, 2, 4], {1: 2, 2: 1, 3: 9, 4: 1, 5: 7}, 16 / 20, 180, 6,
+                            "paragraphs"))
+    err = capsys.readouterr().err
+    assert "zoomr @120: zoom in [3, 5] · summaries [1, 2, 4] · AG 0.80 · 180 tok active · 6 segments (paragraphs)" in err
+
+
+def test_policy_line_and_prompted_system_text():
+    assert policy_line(KVStats(10, 10, 100, 100, 10)) is None
+    kv = KVStats(50, 200, 500, 2000, 60, {"policy": "sumr(window=8, summaries=prompted)",
+                                          "summaries_mode": "none", "summaries_option": "prompted", "segments": 0,
+                                          "recomputes": 3}, mean_active_tokens=40.0, peak_active_bytes=600)
+    line = policy_line(kv)
+    assert "summaries: none (--summaries prompted)" in line and "saving 4.00×" in line and "peak 60" in line
+    assert "<|begin_of_summary|>" in system_with_summaries(None, "zoomr", "prompted")
+    assert system_with_summaries("Be brief.", "sumr", "prompted").startswith("Be brief.\n\n")
+    assert system_with_summaries("Be brief.", "h2o", "prompted") == "Be brief."
+    assert system_with_summaries(None, "zoomr", "auto") is None

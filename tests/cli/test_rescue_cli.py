@@ -1,0 +1,136 @@
+"""``zoomr solve --rescue`` as a user runs it: both backends for the base, Ctrl-C, bad input.
+
+Runs use one thread (``-t 1``): on a shared 2-core machine two spinning threads are several times slower.
+"""
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+from zoomr.backends.llamacpp.policies import STREAMING_BUFFER
+from conftest import ROOT, sigint_default, wait_for, zoomr_cmd
+from zoomr.kvstore.rkv import RKVPolicy
+from conftest import ENV, assert_one_line_error, zoomr
+from zoomr.errors import UserError
+from zoomr.options import RunOptions
+from zoomr.rescue.plan import RescueOptions, plan_rescue
+
+# GSM8K test #1199: long enough (~230 prompt tokens) that the base evicts from its prompt on
+PROBLEM = ("Fred was preparing for a party to be held in four days.  So, he made 24 gallons of root beer on the first "
+           "day and put them in the refrigerator cooler.  But later that evening, his children discovered the delicious "
+           "nectar and robbed the cooler, drinking 4 of those gallons of root beer.  On the second day, his wife Barbie "
+           "also discovered the root beer and accidentally spilled 7 gallons. On the third day, Fred's friend Ronnie "
+           "visited Fred's house and helped himself to the root beer, further reducing the amount remaining by 5 "
+           "gallons.  On the fourth day, 3 people showed up for the party.  If Fred and the others shared the "
+           "remaining root beer equally, how much was available for each to drink during the party?")
+
+
+def check_record(rec: dict, steps_max: int, step_tokens: int, kv_bound: int) -> None:
+    """What every rescue JSON must hold, cross-checked against its own events."""
+    assert 1 <= len(rec["steps"]) <= steps_max
+    for st in rec["steps"]:
+        assert st["source"] in ("base", "helper") and 0 <= st["tokens"] <= step_tokens and isinstance(st["score"], float)
+    ev = rec["events"]
+    assert ev[0]["event"] == "run_started" and ev[-1]["event"] == "run_finished"
+    assert rec["base_tokens"] == sum(e["event"] == "token" and e["source"] == "base" for e in ev)
+    assert rec["helper_tokens"] == sum(e["event"] == "token" and e["source"] == "helper" for e in ev)
+    assert rec["aborted"] == sum(e["event"] == "candidate_aborted" for e in ev)
+    assert rec["candidates"] == {"base": 2 * len(rec["steps"]), "helper": len(rec["steps"])} or \
+        rec["stop_reason"] == "eos"
+    assert rec["kv"]["base"]["active_tokens"] <= kv_bound < rec["kv"]["base"]["full_tokens"]   # evicted
+    assert rec["kv"]["helper"]["active_tokens"] == rec["kv"]["helper"]["full_tokens"]          # full KV
+    assert "log-likelihood" in rec["scorer"] and "no --prm" in rec["scorer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,policy,step_tokens,bound", [
+    ("torch", "rkv", 16, 32 + RKVPolicy(32).slack),                  # R-KV: B + headroom buffer w (128)
+    ("llamacpp", "streaming", 24, 32 + STREAMING_BUFFER),            # llama.cpp streaming: B + its eviction buffer
+])
+def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
+    out = tmp_path / "run.json"
+    r = zoomr("solve", "-p", PROBLEM, "--rescue", "--backend", backend, "--budget", "32", "-t", "1",
+              "--max-steps", "3", "--step-tokens", str(step_tokens), "--nb", "2", "--nh", "1",
+              "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["settings"]["base_policy"] == policy and f"KV policy {policy}" in rec["base"]
+    check_record(rec, 3, step_tokens, bound)
+    # the plain view printed every committed step, the summary lines name sources and tokens
+    for i, st in enumerate(rec["steps"]):
+        assert f"[step {i + 1} · {st['source']} · score {st['score']:.3f}" in r.stdout
+    assert f"generated base {rec['base_tokens']} tok" in r.stdout and "answer:" in r.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_what_was_committed(tmp_path):
+    out, printed = tmp_path / "run.json", tmp_path / "stdout.txt"
+    with printed.open("w") as sink:
+        p = subprocess.Popen(zoomr_cmd() + ["solve", "-p", PROBLEM, "--rescue", "--backend", "llamacpp", "-t", "1",
+                                            "--step-tokens", "16", "--nb", "1", "--nh", "1", "--no-live", "--json",
+                                            str(out)], stdout=sink, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=ROOT, preexec_fn=sigint_default)
+    try:  # wait for the first committed step, then interrupt mid-run
+        wait_for(lambda: "\n[step 1 ·" in "\n" + printed.read_text(errors="replace"), p, 600,
+                 "the first committed step")
+        p.send_signal(signal.SIGINT)
+        _, stderr = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130, stderr
+    rec = json.loads(out.read_text())
+    assert rec["stop_reason"] == "interrupted" and len(rec["steps"]) >= 1
+    assert "interrupted" in stderr and "Traceback" not in stderr
+
+
+def test_bad_input_is_one_line_exit_2():
+    r = zoomr("solve", "-p", PROBLEM, "--rescue", "--nb", "0", "--nh", "0")
+    assert_one_line_error(r)
+    assert "--nb 0 --nh 0" in r.stderr
+
+
+@pytest.mark.parametrize("ropts,opts,needle", [
+    (RescueOptions(rescue=True, base_policy="h2o"), RunOptions(), "--base-policy 'h2o' unknown"),
+    (RescueOptions(rescue=True), RunOptions(policy="rkv"), "--base-policy"),
+    (RescueOptions(rescue=True, nb=-1), RunOptions(), "--nb and --nh"),
+    (RescueOptions(rescue=True, abort_gzip=float("nan")), RunOptions(), "--abort-gzip"),
+    (RescueOptions(rescue=True, preset="nope"), RunOptions(), "rescue_nope.toml"),
+    (RescueOptions(rescue=True, base_policy="rkv"), RunOptions(backend="llamacpp"), "--base-policy: --policy rkv needs"),
+    (RescueOptions(rescue=True), RunOptions(budget=8), "--base-policy: rkv: --budget 8"),
+    (RescueOptions(rescue=True, prm="/nonexistent/prm"), RunOptions(), "--prm"),
+    (RescueOptions(rescue=True, helper="nope/missing.gguf"), RunOptions(), "--helper: nope/missing.gguf: no such model"),
+    # the paper preset names hub models; offline and uncached they are refused before anything loads
+    (RescueOptions(rescue=True, preset="paper"), RunOptions(), "Qwen/Qwen2.5-Math-7B-Instruct"),
+])
+def test_flags_are_checked_before_any_model_loads(ropts, opts, needle):
+    with pytest.raises((UserError, ValueError)) as e:
+        plan_rescue(ropts, opts)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_defaults_and_backend_choice():
+    plan = plan_rescue(RescueOptions(rescue=True), RunOptions())
+    c = plan.config
+    assert (c.nb, c.nh, c.step_tokens, c.max_steps, c.max_context) == (2, 2, 512, 1024, 4096)
+    assert (c.detector.max_entropy, c.detector.entropy_window, c.detector.entropy_guard,
+            c.detector.min_gzip_ratio, c.detector.gzip_window) == (7.0, 12, 24, 0.18, 800)
+    assert plan.base_opts.policy == "rkv" and plan.helper_opts.policy == "full" and plan.prm is None
+    assert c.early_exit is True   # the detector is on unless --no-detector
+    llama = plan_rescue(RescueOptions(rescue=True, nh=0), RunOptions(backend="llamacpp"))
+    assert llama.base_opts.policy == "streaming" and llama.config.nh == 0 and llama.notes
+
+
+def test_no_detector_is_the_papers_eviction_only_best_of_n(tmp_path):
+    """--nh 0 --no-detector: a detector that would abort every base candidate at its first token aborts none."""
+    out = tmp_path / "bon.json"
+    r = zoomr("solve", "-p", PROBLEM, "--rescue", "--budget", "32", "-t", "1", "--max-steps", "2",
+              "--step-tokens", "4", "--nb", "1", "--nh", "0", "--no-detector", "--abort-entropy", "0",
+              "--entropy-guard", "0", "--no-live", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["settings"]["early_exit"] is False and rec["aborted"] == 0 and len(rec["steps"]) == 2
+    assert "detector off" in r.stderr
+    kv = rec["kv_trajectory"]["base"]
+    assert kv["tokens"] == sum(st["tokens"] for st in rec["steps"]) and kv["mean_active_tokens"] <= 32 + 128

@@ -1,0 +1,112 @@
+"""Host store, device active set, fork, and the policy cache inside the real decoder (embedded model)."""
+
+import numpy as np
+import pytest
+import torch
+
+from zoomr.backends.torch.engine import TorchSequence
+from zoomr.kvstore.active_set import ResidentActiveSet
+from zoomr.kvstore.host_store import HostKVStore
+from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+from zoomr.kvstore.zoomr import ZoomRPolicy
+from policy_drive import D, H, HKV, L, drive
+
+CPU = torch.device("cpu")
+
+
+def test_host_store_grows_by_doubling_and_gathers():
+    store = HostKVStore(1, 2, 3, torch.float32, CPU, capacity=4)
+    data = torch.randn(2, 1000, 3)
+    buffers = set()
+    for t in range(1000):
+        store.append(0, data[:, t:t + 1], -data[:, t:t + 1])
+        buffers.add(store.k[0].data_ptr())
+    assert len(buffers) <= 9                      # 4 → 8 → … → 1024: no per-token reallocation
+    heads, positions = torch.tensor([0, 1, 1]), torch.tensor([999, 0, 500])
+    k, v = store.gather(0, heads, positions)
+    assert torch.equal(k, data[heads, positions]) and torch.equal(v, -data[heads, positions])
+    with pytest.raises(IndexError, match="not written"):
+        store.gather(0, heads, torch.tensor([0, 1, 1000]))
+
+
+def test_active_set_moves_only_what_changed():
+    store = HostKVStore(1, 2, 4, torch.float32, CPU)
+    act = ResidentActiveSet(store, CPU, torch.float32)
+    k, v = torch.randn(2, 50, 4), torch.randn(2, 50, 4)
+    store.append(0, k, v)
+    act.attend(0, k, v, torch.arange(50))
+    first = torch.tensor([[1, 2, 3, 10], [4, 5, 6, 7]])
+    act.schedule(0, first)
+    K, _, pos = act.attend(0, torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), torch.arange(50, 50))
+    assert act.moved_pairs == 0                   # all were resident: gathered on the device
+    assert torch.equal(K, k.gather(1, first[..., None].expand(-1, -1, 4)))
+    act.schedule(0, torch.tensor([[1, 2, 20, 30], [4, 5, 6, 40]]))
+    K, _, pos = act.attend(0, torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), torch.arange(50, 50))
+    assert act.moved_pairs == 3                   # only 20, 30 (head 0) and 40 (head 1) came from the host
+    assert torch.equal(K, k.gather(1, pos[..., None].expand(-1, -1, 4)))
+
+
+def test_fork_continues_like_the_original():
+    texts = (["w"] * 5 + [".", "\n\n"]) * 6
+    cache, _, q, k = drive(ZoomRPolicy(8, 2, 2, "auto"), texts[:20], 5, seed=7)
+    other = cache.fork()
+    g = torch.Generator().manual_seed(1)
+    for i, text in enumerate(texts[20:]):
+        new = [torch.randn(H, 1, D, generator=g), torch.randn(HKV, 1, D, generator=g), torch.randn(HKV, 1, D, generator=g)]
+        outs = []
+        for c in (cache, other):
+            outs.append([c.update(layer, *new) for layer in range(L)])
+            c.end_forward([0], text)
+        for (ka, va), (kb, vb) in zip(*outs):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert cache.policy.ag == other.policy.ag and cache.policy.ag
+    assert cache.stats().as_dict() == other.stats().as_dict()
+    assert cache.policy.tracker is not other.policy.tracker and other.policy.ctx is other.ctx
+
+
+PROMPT = "Solve: Tom has 3 apples and buys 4 more. How many apples does he have?"
+# teacher-forced continuation: several paragraphs, so ZoomR closes segments and evicts
+FORCED = (" First we read the problem and list what we know.\n\nTom starts with three apples.\n\n"
+          "Then he buys four more apples.\n\nSo")
+
+
+def run_tokens(backend, cache, ids, forced):
+    seq = TorchSequence(cache)
+    out = [backend.prefill(seq, ids)]
+    for token in forced:
+        out.append(backend.decode(seq, token))
+    return np.stack(out), seq
+
+
+@pytest.fixture(scope="module")
+def reference_logits(torch_backend):
+    tok = torch_backend.tokenizer
+    ids, forced = tok.encode(PROMPT), tok.encode(FORCED)
+    logits, _ = run_tokens(torch_backend, torch_backend.new_sequence().cache, ids, forced)
+    return ids, forced, logits
+
+
+@pytest.mark.parametrize("offload", ["resident", "stream"])
+def test_full_through_the_store_matches_the_plain_decoder(torch_backend, reference_logits, offload):
+    ids, forced, want = reference_logits
+    cache = PolicyCacheFactory(PolicySpec("full", offload=offload))(torch_backend)
+    got, seq = run_tokens(torch_backend, cache, ids, forced[:8])
+    assert np.abs(got - want[:9]).max() <= 1e-5
+    st = torch_backend.kv_stats(seq)
+    assert st.active_tokens == st.full_tokens == len(ids) + 8
+
+
+def test_zoomr_in_the_decoder_equals_full_until_it_first_evicts(torch_backend, reference_logits):
+    ids, forced, want = reference_logits
+    factory = PolicyCacheFactory(PolicySpec("zoomr", window=6, consensus=1))
+    events = []
+    factory.events.subscribe(events.append)
+    got, seq = run_tokens(torch_backend, factory(torch_backend), ids, forced)
+    evicting = [e for e in events if e.active_tokens < e.position + 1]
+    assert evicting, [e.describe() for e in events]
+    last_same = evicting[0].position - len(ids) + 1     # logits row of the forward that triggered it
+    assert np.abs(got[:last_same + 1] - want[:last_same + 1]).max() <= 1e-5
+    assert np.abs(got[last_same + 1:] - want[last_same + 1:]).max() > 1e-3   # the eviction changed attention
+    st = torch_backend.kv_stats(seq)
+    assert st.active_tokens < st.full_tokens and st.extra["recomputes"] == len(events)
+    assert st.extra["summaries_mode"] == "paragraphs" and st.extra["segments"] >= 3

@@ -1,0 +1,296 @@
+"""Every policy's selection on random tensors equals a slow, literal float64 transcription of its formulas.
+
+The transcriptions below are written from the papers (StreamingLLM, H2O, SnapKV, ZoomR §3.3 /
+Algorithm 1) and from R-KV's reference code (rkv/compression/r1_kv.py, rkv/utils.py), one loop per
+sum, independently of the implementation's tensor code. Each test drives the real PolicyKVCache and
+compares the attended positions of every layer and KV head at every forward.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from zoomr.kvstore.full import FullPolicy
+from zoomr.kvstore.h2o import H2OPolicy
+from zoomr.kvstore.rkv import RKVPolicy
+from zoomr.kvstore.segments import BEGIN, END
+from zoomr.kvstore.snapkv import SnapKVPolicy
+from zoomr.kvstore.streaming import StreamingPolicy
+from zoomr.kvstore.sumr import SumRPolicy
+from zoomr.kvstore.zoomr import ZoomRPolicy
+from policy_drive import D, G, H, HKV, L, drive, replay
+
+
+def softmax(xs):
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    z = sum(e)
+    return [x / z for x in e]
+
+
+def dot(a, b):
+    return float(sum(x * y for x, y in zip(a, b)))
+
+
+def top(cands, score, k):
+    return sorted(cands, key=lambda p: -score[p])[:k]
+
+
+def check(policy, ref_select, texts, n_prompt, seed=0):
+    _, got, q, k = drive(policy, texts, n_prompt, seed)
+    want = replay(lambda *a: ref_select(q, k, *a), n_prompt, texts)
+    for f, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"forward {f}: attended sets differ"
+    return got
+
+
+def test_full_attends_everything():
+    texts = ["x"] * 10
+    got = check(FullPolicy(), lambda *a: None, texts, 5)
+    assert got[-1][0][0] == list(range(15))
+
+
+@pytest.mark.parametrize("sink,window", [(4, 8), (0, 5), (2, None)])
+def test_streaming(sink, window):
+    B = 12
+
+    def ref(q, k, f, s, T, text, att):
+        n, w = s + T, (B - sink if window is None else window)
+        if n <= sink + w:
+            return None
+        keep = list(range(sink)) + list(range(n - w, n))
+        return [[keep] * HKV] * L
+
+    check(StreamingPolicy(B, sink, window), ref, ["x"] * 30, 6)
+
+
+def test_h2o_accumulated_attention_heavy_hitters():
+    B, W = 10, 4
+    acc = {}
+
+    def ref(q, k, f, s, T, text, att):
+        sel = []
+        for l in range(L):
+            for hq in range(H):
+                kv = hq // G
+                for t in range(s, s + T):
+                    keys = [p for p in att[l][kv] if p <= t]
+                    probs = softmax([dot(q[l, hq, t], k[l, kv, p]) / math.sqrt(D) for p in keys])
+                    for p, pr in zip(keys, probs):
+                        acc[l, kv, p] = acc.get((l, kv, p), 0.0) + pr
+            if len(att[l][0]) <= B:
+                sel.append(None)
+                continue
+            rows = []
+            for kv in range(HKV):
+                recent, cand = att[l][kv][-W:], att[l][kv][:-W]
+                rows.append(sorted(top(cand, {p: acc[l, kv, p] for p in cand}, B - W) + recent))
+            sel.append(rows)
+        return sel
+
+    got = check(H2OPolicy(B, W), ref, ["x"] * 40, 14)
+    assert any(got[f][0][0] != got[f][0][1] for f in range(len(got)))   # heads really choose differently
+
+
+def test_snapkv_observation_window_pooled():
+    B, W, buf, kernel = 12, 4, 8, 5
+
+    def ref(q, k, f, s, T, text, att):
+        n = s + T
+        obs = list(range(n - W, n))          # the last W queries of the layer
+        sel = []
+        for l in range(L):
+            if len(att[l][0]) < B + buf:
+                sel.append(None)
+                continue
+            rows = []
+            for kv in range(HKV):
+                keys = att[l][kv]
+                cand = keys[:-W]
+                score = {p: 0.0 for p in cand}
+                for hq in range(kv * G, (kv + 1) * G):
+                    for t in obs:
+                        visible = [p for p in keys if p <= t]
+                        probs = softmax([dot(q[l, hq, t], k[l, kv, p]) / math.sqrt(D) for p in visible])
+                        for p, pr in zip(visible, probs):
+                            if p in score:
+                                score[p] += pr / G
+                pooled = {}
+                for j, p in enumerate(cand):
+                    window = [score[cand[j + o]] for o in range(-(kernel // 2), kernel // 2 + 1)
+                              if 0 <= j + o < len(cand)]
+                    pooled[p] = sum(window) / kernel    # zero padding counts in the average
+                rows.append(sorted(top(cand, pooled, B - W) + keys[-W:]))
+            sel.append(rows)
+        return sel
+
+    check(SnapKVPolicy(B, W, kernel=kernel, buffer=buf), ref, ["x"] * 45, 22)
+
+
+def rkv_redundancy(keys_vecs):
+    """R-KV cal_similarity, literally: cosine sims, diag 0, newest duplicate (>0.5) zeroed per row, column mean, softmax."""
+    N = len(keys_vecs)
+    unit = [v / (np.sqrt(dot(v, v)) + 1e-8) for v in keys_vecs]
+    sim = [[0.0 if i == j else dot(unit[i], unit[j]) for j in range(N)] for i in range(N)]
+    for i in range(N):
+        dup = [j for j in range(N) if sim[i][j] > 0.5]
+        sim[i][max(dup) if dup else 0] = 0.0
+    return softmax([sum(sim[i][j] for i in range(N)) / N for j in range(N)])
+
+
+def test_rkv_attention_minus_redundancy():
+    B, W, buf, lam, kernel = 16, 8, 16, 0.1, 7
+
+    def ref(q, k, f, s, T, text, att):
+        n = s + T
+        obs = list(range(n - W, n))
+        sel = []
+        for l in range(L):
+            if len(att[l][0]) < B + buf:
+                sel.append(None)
+                continue
+            rows = []
+            for kv in range(HKV):
+                keys = att[l][kv]
+                cand = keys[:-W]
+                imp = [0.0] * len(cand)
+                for t in obs:
+                    logits = [max(dot(q[l, hq, t], k[l, kv, p]) for hq in range(kv * G, (kv + 1) * G)) / math.sqrt(D)
+                              for p in cand]
+                    for j, pr in enumerate(softmax(logits)):
+                        imp[j] += pr / W
+                pooled = [max(imp[j + o] for o in range(-(kernel // 2), kernel // 2 + 1) if 0 <= j + o < len(cand))
+                          for j in range(len(cand))]
+                red = rkv_redundancy([k[l, kv, p] for p in keys])
+                score = {p: lam * pooled[j] - (1 - lam) * red[j] for j, p in enumerate(cand)}
+                rows.append(sorted(top(cand, score, B - W) + keys[-W:]))
+            sel.append(rows)
+        return sel
+
+    check(RKVPolicy(B, W, mix=lam, kernel=kernel, buffer=buf), ref, ["x"] * 60, 20)
+
+
+def test_rkv_redundancy_counts_near_duplicates():
+    # two identical keys: each one's newest duplicate entry is zeroed, so the pair is less redundant
+    # than a third key similar to both (the literal rule of the reference code)
+    from zoomr.kvstore.rkv import redundancy
+    import torch
+
+    keys = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.9, 0.1], [0.0, 1.0]]])
+    want = rkv_redundancy([np.array(v, dtype=np.float64) for v in keys[0].tolist()])
+    assert np.allclose(redundancy(keys)[0].numpy(), want, atol=1e-6)
+
+
+# --- SumR / ZoomR ---------------------------------------------------------------------------------------
+
+# paragraphs (each ends with "\n\n", a boundary) with sentence ends (".") inside some of them
+PARAS = [["w"] * 3 + [".", "w", "\n\n"], ["w"] * 5 + ["\n\n"], ["w", "w", ":", "\n\n"], ["w"] * 4 + [".", "\n\n"],
+         ["w", "\n\n"], ["w"] * 6 + ["\n\n"], ["w", "w", "w", "!", "\n\n"], ["w", "w", "\n\n"]]
+TEXTS = [t for p in PARAS for t in p] + ["w", "w", "."]
+N_PROMPT, WINDOW = 7, 8
+
+
+def paragraph_segments(n_prompt, texts, upto):
+    """R_i of the auto mode, literally: runs of tokens closed by a "\\n\\n" token (none longer than the window)."""
+    segs, start = [], n_prompt
+    for i, t in enumerate(texts[:upto - n_prompt + 1]):
+        if t == "\n\n":
+            segs.append(list(range(start, n_prompt + i + 1)))
+            start = n_prompt + i + 1
+    return segs
+
+
+def extractive(seg):
+    m = min(len(seg), max(4, min(16, len(seg) // 8)))
+    return seg[:(m + 1) // 2] + seg[len(seg) - m // 2:]
+
+
+def ends_sentence(texts, i):
+    return texts[i] in (".", "!", "?", ":", "\n\n")
+
+
+def base_context(n_prompt, t, w):
+    return set(range(n_prompt)) | set(range(max(n_prompt, t + 1 - w), t + 1))
+
+
+def zoomr_reference(texts, k_top, c, segments_of, ags):
+    """ZoomR §3.3 / Algorithm 1 at every semantic boundary; ``segments_of(t)`` gives the closed segments
+    as (R_i positions, S_i positions, positions whose keys are averaged into k̄_i)."""
+    def ref(q, k, f, s, T, text, att):
+        t = s + T - 1
+        if f == 0 or not ends_sentence(texts, t - N_PROMPT):
+            return None
+        segs = segments_of(t)
+        votes = [0] * len(segs)
+        for l in range(L):
+            kbar = [[np.mean([k[l, kv, p] for p in key], axis=0) for _, _, key in segs] for kv in range(HKV)]
+            for hq in range(H):
+                alpha = [dot(q[l, hq, t], kbar[hq // G][i]) for i in range(len(segs))]
+                for i in sorted(range(len(segs)), key=lambda i: -alpha[i])[:k_top]:
+                    votes[i] += 1
+        voted = [i for i in range(len(segs)) if votes[i] > 0]
+        ranked = sorted(voted, key=lambda i: (-votes[i], -i))
+        zoom, summ = ranked[:c], ranked[c:]
+        if voted:
+            ags.append(sum(votes[i] for i in zoom) / sum(votes[i] for i in voted))
+        keep = base_context(N_PROMPT, t, WINDOW)
+        for i in zoom:
+            keep |= set(segs[i][0])
+        for i in summ:
+            keep |= set(segs[i][1])
+        return [[sorted(keep)] * HKV] * L
+
+    return ref
+
+
+def auto_segments(t):
+    return [(seg, extractive(seg), seg) for seg in paragraph_segments(N_PROMPT, TEXTS, t)]
+
+
+@pytest.mark.parametrize("k_top,c", [(2, 2), (1, 1), (3, 0)])
+def test_zoomr_auto_paragraphs(k_top, c):
+    ags = []
+    policy = ZoomRPolicy(WINDOW, k_top, c, "auto")
+    got = check(policy, zoomr_reference(TEXTS, k_top, c, auto_segments, ags), TEXTS, N_PROMPT, seed=3)
+    assert policy.ag == pytest.approx(ags) and len(ags) >= 8
+    assert len(got[-1][0][0]) < N_PROMPT + len(TEXTS)       # something really was left out
+
+
+# model mode: regular text, then a delimited summary split over several tokens, repeatedly
+MODEL_PARTS = [(["a"] * 5 + ["."], ["<|begin", "_of_summary|>", "s", "s", END]),
+               (["b"] * 7 + [":"], [BEGIN, "s", "<|end_of", "_summary|>"]),
+               (["c"] * 3 + ["."], [BEGIN, "s", "s", "s", END]),
+               (["d"] * 6 + ["!"], [BEGIN, "s", END])]
+MODEL_TEXTS = [t for r, s in MODEL_PARTS for t in r + s] + ["e", "e", "."]
+
+
+def model_segments(t):
+    """(R_i, S_i, S_i) of the closed delimited summaries up to position t (k̄_i = mean key of S_i)."""
+    out, pos = [], N_PROMPT
+    for r, s in MODEL_PARTS:
+        reg, summ = list(range(pos, pos + len(r))), list(range(pos + len(r), pos + len(r) + len(s)))
+        pos += len(r) + len(s)
+        if summ[-1] <= t:
+            out.append((reg, summ, summ))
+    return out
+
+
+def test_zoomr_model_summaries_use_summary_mean_keys():
+    ags = []
+    policy = ZoomRPolicy(WINDOW, 2, 1, "model")
+    check(policy, zoomr_reference(MODEL_TEXTS, 2, 1, model_segments, ags), MODEL_TEXTS, N_PROMPT, seed=5)
+    assert policy.tracker.mode_ran() == "model" and policy.ag == pytest.approx(ags) and ags
+
+
+def test_sumr_keeps_every_summary_and_never_zooms():
+    def ref(q, k, f, s, T, text, att):
+        t = s + T - 1
+        if f == 0 or not ends_sentence(TEXTS, t - N_PROMPT):
+            return None
+        keep = base_context(N_PROMPT, t, WINDOW)
+        for seg in paragraph_segments(N_PROMPT, TEXTS, t):
+            keep |= set(extractive(seg))
+        return [[sorted(keep)] * HKV] * L
+
+    check(SumRPolicy(WINDOW, "auto"), ref, TEXTS, N_PROMPT, seed=1)

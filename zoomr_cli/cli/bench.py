@@ -1,0 +1,457 @@
+"""``zoomr bench``: accuracy, fidelity to full KV, memory and speed of KV policies on a math data set.
+
+Each (problem, policy, budget) cell is appended to ``records.jsonl`` the moment it finishes; ``--resume``
+skips every cell already there, so a crash or ``kill -9`` loses at most the cell in flight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from zoomr.kvstore.registry import BUDGETED, KNOB_POLICIES
+
+from zoomr.evaluation.records import RecordLog, record_key
+from zoomr.evaluation.match import TOLERANCE, match_error, predict_budget
+from zoomr.evaluation.metrics import summarize
+from zoomr.evaluation.plots import write_plots
+from zoomr.evaluation.provenance import run_provenance
+from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
+from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
+from zoomr.evaluation.cells import run_cell, teacher_forced_fidelity
+from zoomr.evaluation.datasets import list_datasets, load_problems
+from zoomr.errors import UserError
+from zoomr.factory import build_backend, check_lengths, policy_spec, torch_cache_factory, with_policy
+from zoomr.options import POLICIES, RunOptions
+from zoomr.cli.options import model_options
+from zoomr.cli.render import Output
+from zoomr.rescue.plan import RescueOptions
+from zoomr.cli.rescue_options import rescue_options
+from zoomr.prompts import solve_prompt
+
+MATCHED = "matched"
+
+
+def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    """(policy, budget) cells per problem, full first (the fidelity reference); unbudgeted policies once."""
+    cells = [("full", None)]
+    cells += [(p, None) for p in policies if p not in BUDGETED and p != "full"]
+    cells += [(p, b) for b in budgets for p in policies if p in BUDGETED]
+    return cells
+
+
+def validate_cells(cells: list[tuple[str, object]], opts: RunOptions) -> None:
+    """Build every cell's policy once, before the first cell runs, so a bad (policy, budget, knob) stops the
+    bench at once instead of after hours of finished cells. A matched cell is checked at the largest budget
+    (``-c``): its budget is chosen later inside the range its knobs allow.
+
+    Raises:
+        UserError: the first cell whose policy rejects its knobs, naming the cell.
+    """
+    for policy, budget in cells:
+        if policy not in KNOB_POLICIES["window"]:
+            continue  # full reads no knob; rescue cells: their base policy is checked by the rescue plan
+        b = opts.ctx_size if budget == MATCHED else (budget or opts.budget)
+        try:
+            torch_cache_factory(replace(opts, policy=policy, budget=b))
+        except ValueError as e:
+            cell = policy + ("" if budget is None else f" B={budget}")
+            raise UserError(f"cell {cell}: {e}") from None
+
+
+def knob_scope(chosen: list[str], opts: RunOptions) -> list[str]:
+    """Which of ``chosen`` each knob given on the command line applies to, as lines to show the user.
+
+    A knob no chosen policy reads is an error; one that only some read is applied to those alone (the
+    others have no such knob) and said so.
+
+    Raises:
+        UserError: a knob given that none of ``chosen`` reads.
+    """
+    defaults = RunOptions()
+    lines = []
+    for knob, takers in KNOB_POLICIES.items():
+        if knob == "budget" or getattr(opts, knob) == getattr(defaults, knob):
+            continue
+        flag = "--" + knob.replace("_", "-")
+        applies = [p for p in chosen if p in takers]
+        if not applies:
+            raise UserError(f"{flag} is read by {', '.join(takers)} only, and none of --policies is one of them")
+        if len(applies) < len(chosen):
+            lines.append(f"{flag} {getattr(opts, knob)} applies to {', '.join(applies)} only")
+    return lines
+
+
+def _cell(r: dict, key, fmt: str) -> str:
+    value = key(r) if callable(key) else r.get(key)
+    if value is None:
+        return "—"
+    if fmt == "mib":
+        return f"{value / 2**20:.2f}"
+    if key == "bound_tokens" and r.get("bound_measured"):
+        return f"{value}*"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, fmt) if fmt else str(value)
+
+
+def _grid(title: str, cols: tuple, rows: list[dict]) -> Table:
+    """A compact table: ``cols`` are (header, row key or function of the row, format spec; "" = str)."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 1), collapse_padding=True)
+    for i, (head, _, _) in enumerate(cols):
+        t.add_column(head, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for r in rows:
+        t.add_row(*(_cell(r, key, fmt) for _, key, fmt in cols))
+    return t
+
+
+def _budget_cell(r: dict) -> str:
+    """The B column: the budget, or for matched rows the mean budget chosen, with ≈."""
+    if r["budget"] == MATCHED:
+        return "—" if r.get("budget_tokens_mean") is None else f"≈{r['budget_tokens_mean']:.0f}"
+    return "—" if r["budget"] is None else str(r["budget"])
+
+
+MAIN_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("n", "problems", ""), ("acc", "accuracy", ".2f"),
+                ("top1", "fidelity_top1", ".3f"), ("KL", "fidelity_kl", ".3f"),
+                ("KV", "mean_active_tokens", ".0f"), ("peak", "peak_active_tokens", ""),
+                ("bound", "bound_tokens", ""), ("×", "saving", ".2f"), ("×pk", "saving_peak", ".2f"),
+                ("no ans", "no_answer_at_cap_rate", ".2f"))
+MATCH_COLUMNS = (("policy", "policy", ""), ("n", "problems", ""), ("target KV", "target_active_tokens", ".1f"),
+                 ("achieved", "mean_active_tokens", ".1f"), ("B chosen", "budget_tokens_mean", ".0f"),
+                 ("worst err", "match_error_max", "+.1%"), ("within ±10%", "matched_within", ""))
+MEMORY_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("active MiB", "mean_active_bytes", "mib"),
+                  ("full MiB", "full_bytes", "mib"), ("device MiB", "device_kv_bytes", "mib"),
+                  ("host MiB", "host_kv_bytes", "mib"), ("on", "kv_device", ""), ("tok/s", "decode_tok_s", ".1f"),
+                  ("gen", "mean_generated_tokens", ".0f"))
+RESCUE_COLUMNS = (("B", "budget", ""), ("A full", "acc_full", ".2f"), ("A bon", "acc_best_of_n", ".2f"),
+                  ("A rescue", "acc_rescue", ".2f"), ("recov", "recovered_fraction", ".0%"),
+                  ("helper", "helper_share", ".0%"), ("base tok", "base_tokens_rescue", ".0f"),
+                  ("bon tok", "base_tokens_best_of_n", ".0f"), ("ratio", "base_token_ratio", ".2f"),
+                  ("no ans", "no_answer_at_cap_rescue", ".2f"), ("bon no ans", "no_answer_at_cap_best_of_n", ".2f"))
+
+
+def _table(rows: list[dict]) -> Table:
+    return _grid("zoomr bench · KV: mean active tokens · bound: policy's (* measured) · ×: saving, mean full / mean "
+                 "active bytes · ×pk: at the peak · no ans: no answer at the -n cap", MAIN_COLUMNS, rows)
+
+
+def _match_table(rows: list[dict]) -> Table:
+    return _grid(f"matched budgets · each baseline's measured mean active KV vs ZoomR's (within ±{TOLERANCE:.0%} "
+                 "or flagged)", MATCH_COLUMNS, [r for r in rows if r["budget"] == MATCHED])
+
+
+def _memory_table(rows: list[dict]) -> Table:
+    return _grid("KV memory and speed · active: time-averaged, full: final K/V bytes · device/host: peak allocated "
+                 "(on cpu the same RAM: they add up) · gen: generated tokens", MEMORY_COLUMNS, rows)
+
+
+def _rescue_table(rows: list[dict]) -> Table:
+    return _grid("KV-Rescue vs eviction-only best-of-N (bon) · recov = recovered fraction · tok = base tokens",
+                 RESCUE_COLUMNS, rows)
+
+
+def bench(
+    budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several (default 64).")] = None,
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(POLICIES),
+    dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
+                                         "path or a hub data set id.")] = "gsm8k",
+    limit: Annotated[Optional[int], typer.Option("--limit", help="First N problems only.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default bench_out/<dataset>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Skip cells already in <out>/records.jsonl.")] = False,
+    match_budget: Annotated[bool, typer.Option("--match-budget", help="Baselines get zoomr's measured mean active "
+                                               "KV as budget (the paper's fair comparison).")] = False,
+    fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="Teacher-forced fidelity to full KV.")] = True,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
+    show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
+                                                "(problems, source, fields) and exit.")] = False,
+    *,
+    opts: RunOptions,
+    rescue: RescueOptions,
+) -> int:
+    """Compare KV policies: accuracy, fidelity to full KV, active KV memory, decode speed, no answer at the cap.
+
+    With --rescue, every budget also runs KV-Rescue (base evicting by --base-policy + full-KV helper) and
+    the eviction-only best-of-N baseline: recovered fraction, helper share and base tokens are reported.
+    """
+    if show_datasets:
+        _print_datasets(no_live)
+        return 0
+    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [p for p in chosen if p not in POLICIES]
+    if not chosen:
+        raise UserError(f"--policies: give at least one of {', '.join(POLICIES)}")
+    if bad:
+        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(POLICIES)})")
+    if opts.backend != "torch":
+        raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
+    check_lengths(opts)
+    budgets = sorted(set(budget or [64]))
+    if min(budgets) < 1:
+        raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
+    if match_budget and budget:
+        raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
+    if budget and not rescue.rescue and not any(p in BUDGETED for p in chosen):
+        raise UserError(f"--budget is read by {', '.join(BUDGETED)} only, and none of --policies is one of them")
+    if match_budget and "zoomr" not in chosen:
+        raise UserError("--match-budget needs zoomr among --policies (its measured KV sets the budget)")
+    sampling = opts.sampling(default_temp=0.0)
+    name, problems = load_problems(dataset, limit)
+    out = Path(out_dir or f"bench_out/{Path(name).name.replace('/', '_')}")
+    config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
+              "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
+              "ignore_eos": opts.ignore_eos,
+              "match_budget": match_budget, "fidelity": fidelity,
+              "policy_knobs": {"window": opts.window, "sink": opts.sink, "topk_per_head": opts.topk_per_head,
+                               "consensus": opts.consensus, "summaries": opts.summaries}}
+    rescue_plan = None
+    if rescue.rescue:
+        rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
+    ui = Output(live=not no_live)
+    cells = plan_cells(chosen, [] if match_budget else budgets)
+    if match_budget:
+        cells = [c for c in cells if c[0] not in BUDGETED] + [(p, MATCHED) for p in chosen if p in BUDGETED]
+    if rescue_plan is not None:
+        cells += RescueCells.cells([MATCHED] if match_budget else budgets)
+    scope = knob_scope(chosen, opts)  # a knob no policy reads is named as such, before any cell is built
+    validate_cells(cells, opts)
+    for line in scope:
+        ui.info(line)
+    log = _open_log(out, config, resume)
+    base = rescue_cells = None
+    if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
+        with ui.status("loading model…"):
+            base = build_backend(replace(opts, policy="full"))
+        if rescue_plan is not None:
+            with ui.status("loading helper and scorer…"):
+                rescue_cells = RescueCells(base, opts, rescue_plan)
+        _check_provenance(config, run_provenance(base.source.path))
+        # only now, with every model loaded, does the folder take this run's settings
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
+    else:  # a finished bench: the table and files come from the records alone, no model is loaded
+        ui.info(f"{name}: every cell of {len(problems)} problems is already in {out}")
+    total = len(problems) * len(cells)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    task = progress.add_task("bench", total=total)
+    live = Live(Group(progress, _table(summarize(log.records))), refresh_per_second=2, transient=False,
+                console=ui.err) if not no_live and ui.err.is_terminal else None
+    try:
+        if live:
+            live.start()
+        for problem in problems:
+            pending = [(p, b) for p, b in cells if record_key(problem.id, p, b) not in log.done]
+            if not pending:
+                progress.advance(task, len(cells))
+                continue
+            progress.advance(task, len(cells) - len(pending))
+            ids = solve_prompt(base.tokenizer, problem.question)
+            reference = None
+            if fidelity and any(p not in ("full", RESCUE, BEST_OF_N) for p, _ in pending):
+                # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
+                pending = [("full", None)] + [c for c in pending if c[0] != "full"]
+            for policy, b in pending:
+                progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
+                budget_tokens = b
+                if policy in (RESCUE, BEST_OF_N):
+                    budget_tokens = _zoomr_record(log, problem.id)["mean_active_tokens"] if b == MATCHED else b
+                    budget_tokens = max(2, round(budget_tokens))
+                    rec = rescue_cells.run(policy, budget_tokens, problem, ids, opts.n_predict)
+                    built = None
+                elif b == MATCHED:
+                    rec = run_matched(base, opts, policy, problem, ids, sampling, reference, _zoomr_record(log, problem.id))
+                    budget_tokens, built = rec.pop("budget_tokens"), None
+                else:
+                    view = with_policy(base, replace(opts, policy=policy, budget=b or opts.budget))
+                    rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
+                                          None if policy == "full" or not fidelity else reference,
+                                          keep_logits=policy == "full" and fidelity, ignore_eos=opts.ignore_eos)
+                if policy == "full":
+                    reference = built
+                if record_key(problem.id, policy, b) in log.done:
+                    continue  # a reference rerun, recorded before
+                log.append({"problem_id": problem.id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
+                            "gold": problem.gold, **rec})
+                if no_live:
+                    print(_plain(log.records[-1]), flush=True)
+                progress.advance(task)
+                if live:
+                    live.update(Group(progress, _table(summarize(log.records))))
+    finally:
+        if live:
+            live.stop()
+        _finish(out, config, log, ui)
+    return 0
+
+
+DATASET_COLUMNS = (("name", "name", ""), ("problems", "problems", ""), ("question", "question", ""),
+                   ("gold", "gold", ""), ("source", "source", ""))
+
+
+def _print_datasets(plain: bool) -> None:
+    """``--list-datasets``: a table on stdout, or one JSON object per set with ``--no-live``."""
+    rows = list_datasets()
+    if plain:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    Output(live=True).out.print(_grid("data sets · source: shipped with zoomr, or the $ZOOMR_DATA file that "
+                                      "overrides it", DATASET_COLUMNS, rows))
+
+
+def _zoomr_record(log: RecordLog, problem_id: str) -> dict:
+    """ZoomR's record of this problem: its measured mean active KV is what the matched baselines aim at."""
+    for r in log.records:
+        if r["problem_id"] == problem_id and r["policy"] == "zoomr":
+            return r
+    raise UserError("internal order error: zoomr must run before the matched baselines")
+
+
+def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sampling, reference, zoomr: dict) -> dict:
+    """One matched-budget cell: predict B, run, check the measured mean against ZoomR's (see ``bench_match``).
+
+    Args:
+        base: the bench's full-KV torch backend; ``policy``: an evicting baseline.
+        reference: full KV's run for fidelity (None: no fidelity), measured on the run kept.
+        zoomr: ZoomR's record of the same problem (``mean_active_tokens``, ``tokens_generated``).
+    Returns:
+        the record fields of the run closest to the target (at most two runs), plus ``budget_tokens`` (B),
+        ``target_active_tokens``, ``simulated_active_tokens``, ``match_error`` (achieved / target − 1),
+        ``matched_within`` (|error| ≤ 10 %) and ``match_runs``.
+    """
+    target, n = float(zoomr["mean_active_tokens"]), int(zoomr["tokens_generated"])
+    spec = policy_spec(replace(opts, policy=policy))
+    runs = []
+    budget, simulated = predict_budget(spec, target, len(ids), n)
+    while True:
+        view = with_policy(base, replace(opts, policy=policy, budget=budget))
+        rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None, ignore_eos=opts.ignore_eos)
+        err = match_error(rec["mean_active_tokens"], target)
+        runs.append((abs(err), budget, simulated, err, rec, view))
+        if abs(err) <= TOLERANCE or rec["tokens_generated"] == n or len(runs) == 2:
+            break
+        # the baseline wrote a different length than ZoomR: predict again at its own length
+        n = rec["tokens_generated"]
+        again, simulated = predict_budget(spec, target, len(ids), n)
+        if again == budget:
+            break
+        budget = again
+    _, budget, simulated, err, rec, view = min(runs, key=lambda r: r[0])
+    if reference is not None:
+        rec.update(teacher_forced_fidelity(view, ids, reference))
+    rec.update(budget_tokens=budget, target_active_tokens=round(target, 2), simulated_active_tokens=round(simulated, 2),
+               match_error=round(err, 4), matched_within=abs(err) <= TOLERANCE, match_runs=len(runs))
+    return rec
+
+
+def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
+    """Create ``out`` and check it against this run (settings of a resumed run must not change).
+
+    Raises:
+        UserError: the folder cannot be made, holds records without --resume, or other settings.
+        ValueError: a records file that is not ours.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create the folder ({e.strerror or e})") from None
+    cfg_path, rec_path = out / "config.json", out / "records.jsonl"
+    if rec_path.exists() and rec_path.stat().st_size and not resume:
+        raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
+    if resume and cfg_path.exists():
+        try:
+            old = json.loads(cfg_path.read_text())
+            if not isinstance(old, dict):
+                raise ValueError("not an object")
+        except (UnicodeDecodeError, ValueError):
+            raise UserError(f"{cfg_path}: not a bench config (not JSON); remove it or choose another --out") from None
+        # a setting the old run did not have (e.g. --rescue added later) only adds cells: allowed
+        diff = [k for k in config if k in old and old[k] != config[k]]
+        if diff:
+            raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
+        config.update({k: v for k, v in old.items() if k not in config})
+    log = RecordLog(rec_path)
+    if log.records and not cfg_path.exists():
+        raise UserError(f"--resume: {out} holds records but no config.json, so its settings cannot be checked; "
+                        "choose another --out")
+    return log
+
+
+def _check_provenance(config: dict, now: dict) -> None:
+    """Put this run's provenance into ``config``; a resumed run must use the same model file.
+
+    Library versions and the git commit may change between a run and its resume (they are recorded, the
+    newest wins); a different model under the same name would mix two models' records, so it is refused.
+
+    Raises:
+        UserError: the model's sha256 differs from the one the folder's run recorded.
+    """
+    old = (config.get("provenance") or {}).get("model_sha256")
+    if old and now.get("model_sha256") and old != now["model_sha256"]:
+        raise UserError(f"--resume: the model file differs from the run's (sha256 {now['model_sha256'][:12]}… "
+                        f"vs {old[:12]}…); choose another --out")
+    config["provenance"] = now
+
+
+def _plain(rec: dict) -> str:
+    fid = "" if rec.get("fidelity_top1") is None else f" top1={rec['fidelity_top1']:.3f} kl={rec['fidelity_kl']:.3f}"
+    if "helper_share" in rec:
+        fid += f" steps={rec['steps']} helper={rec['helper_share']:.2f} base_tokens={rec['base_tokens']}"
+    return (f"{rec['problem_id']} {rec['policy']} B={rec['budget']} correct={rec['correct']} "
+            f"tokens={rec['tokens_generated']} activeKV={rec['mean_active_tokens']:.0f}{_match_note(rec)}{fid}")
+
+
+def _match_note(rec: dict) -> str:
+    if rec.get("match_error") is None:
+        return ""
+    flag = "" if rec["matched_within"] else " OFF-TARGET"
+    return f" chosen_B={rec['budget_tokens']} target={rec['target_active_tokens']:.0f} err={rec['match_error']:+.1%}{flag}"
+
+
+def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
+    """summary.json, plots and the final table from whatever records exist (also after Ctrl-C)."""
+    if not log.records:
+        ui.info(f"no cell finished: nothing recorded in {out}")
+        return
+    rows = summarize(log.records)
+    rescue = rescue_rows(rows)
+    summary = {"config": config, "rows": rows, **({"rescue": rescue} if rescue else {})}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    model = (config.get("provenance") or {}).get("model_path") or config["model"]
+    meta = {"model": Path(str(model)).name, "dataset": config["dataset"],
+            "problems": len({r["problem_id"] for r in log.records}), "n_predict": config["n_predict"]}
+    plots = write_plots(rows, log.records, out, meta)
+    if ui.live:
+        ui.out.print(_table(rows))
+        if any(r["budget"] == MATCHED for r in rows):
+            ui.out.print(_match_table(rows))
+        ui.out.print(_memory_table(rows))
+        if rescue:
+            ui.out.print(_rescue_table(rescue))
+    else:
+        for r in rows + rescue:
+            print(json.dumps(r))
+    for line in rescue_warnings(log.records):
+        ui.info(f"warning: {line}")
+    idle = [r for r in log.records if r["policy"] == "zoomr" and r.get("saving") and r["saving"] < 1.05]
+    if idle and any(r["budget"] == MATCHED for r in rows):
+        ui.info(f"warning: zoomr held (almost) full KV on {len(idle)} of its problems (saving < 1.05×): the matched "
+                "baselines there compare at full memory; generate longer (-n, --ignore-eos) to compare eviction")
+    off = [r["policy"] for r in rows if r.get("matched_within") is False]
+    if off:
+        ui.info(f"warning: matched budget off by more than {TOLERANCE:.0%} for {', '.join(off)} "
+                "(see the matched-budgets table; their memory is not ZoomR's)")
+    ui.info(f"records: {out / 'records.jsonl'} · summary: {out / 'summary.json'} · plots: "
+            + ", ".join(str(p) for p in plots))
+
+
+bench_command = model_options(exclude=("budget", "policy"), n_predict=256, top_k=20)(rescue_options(bench))

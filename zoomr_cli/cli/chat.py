@@ -1,0 +1,138 @@
+"""``zoomr chat``: an interactive REPL whose conversation stays in the KV cache across turns.
+
+Each turn prefills only the new text: the conversation is rendered with the chat template, and the
+part after what the cache already holds (decoded from the cached ids) is tokenized and prefilled.
+When the template rewrote earlier turns, the sequence is rebuilt from scratch (said in /stats).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.generation import GenerationStats, generate
+from zoomr.backends.sampling import Sampler
+
+from zoomr.factory import build_backend
+from zoomr.options import RunOptions
+from zoomr.cli.options import model_options
+from zoomr.cli.render import Output, stats_line
+
+HELP = "commands: /stats (KV and speed), /reset (forget the conversation), /exit (or Ctrl-D)"
+
+
+class ChatSession:
+    """A conversation over one backend sequence.
+
+    Attributes:
+        messages: the conversation so far ([{"role", "content"}]).
+        rebuilds: times the cache had to be rebuilt because the template changed earlier text.
+    """
+
+    def __init__(self, backend, sampler: Sampler, n_predict: int, system: str | None):
+        self.backend, self.sampler, self.n_predict, self.system = backend, sampler, n_predict, system
+        self.rebuilds = 0
+        self.last = GenerationStats()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation and free its KV cache."""
+        if getattr(self, "seq", None) is not None:
+            self.backend.free(self.seq)
+        self.seq = self.backend.new_sequence()
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def _new_tokens(self, user_text: str) -> list[int]:
+        tok = self.backend.tokenizer
+        self.messages.append({"role": "user", "content": user_text})
+        text = render_chat(tok, self.messages, add_generation_prompt=True)
+        held = tok.decode(self.seq.tokens)
+        if self.seq.tokens and text.startswith(held):
+            return tok.encode(text[len(held):], add_bos=False, special=True)
+        if self.seq.tokens:
+            self.rebuilds += 1
+            self.backend.free(self.seq)
+            self.seq = self.backend.new_sequence()
+        return prompt_ids(tok, text)
+
+    def ask(self, user_text: str, out: Output) -> GenerationStats:
+        """Answer one user turn, streaming to ``out``; Ctrl-C keeps the partial answer in the conversation.
+
+        Raises:
+            ValueError: the conversation no longer fits ``-c`` (use /reset).
+        """
+        gen = GenerationStats()
+        try:
+            ids = self._new_tokens(user_text)
+            if len(self.seq.tokens) + len(ids) >= self.backend.n_ctx:
+                self.messages.pop()
+                raise ValueError(f"context full ({len(self.seq.tokens)} + {len(ids)} tokens ≥ -c "
+                                 f"{self.backend.n_ctx}): /reset to start over")
+            for tok in generate(self.backend, self.seq, ids, self.sampler, self.n_predict, gen):
+                out.token(tok.text)
+        except KeyboardInterrupt:
+            gen.stop_reason = "interrupted"
+        finally:
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.append({"role": "assistant", "content": gen.text})
+            self.last = gen
+        out.token("\n")
+        return gen
+
+    def stats(self) -> str:
+        """The /stats line: last turn's speed, the cache's KV accounting, turns and rebuilds."""
+        kv = self.backend.kv_stats(self.seq)
+        turns = sum(m["role"] == "user" for m in self.messages)
+        return f"{stats_line(self.last, kv)} · turns {turns} · cache rebuilds {self.rebuilds}"
+
+
+def chat(
+    system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output.")] = False,
+    *,
+    opts: RunOptions,
+) -> int:
+    """Chat interactively; the conversation stays in the KV cache. /stats, /reset, /exit; Ctrl-C stops an answer."""
+    sampler = Sampler(opts.sampling(default_temp=0.7))
+    out = Output(live=not no_live)
+    with out.status("loading model…"):
+        backend = build_backend(opts)
+    out.info(backend.describe())
+    out.info(HELP)
+    session = ChatSession(backend, sampler, opts.n_predict, system)
+    while True:
+        try:
+            if not _handle(input("> ").strip(), session, out):
+                return 0
+        except EOFError:
+            out.token("\n")
+            return 0
+        except KeyboardInterrupt:  # at the prompt, or between an answer's end and the next prompt
+            out.token("\n")
+            out.info("(Ctrl-D or /exit to quit)")
+
+
+def _handle(line: str, session: ChatSession, out: Output) -> bool:
+    """Run one REPL line; False means exit."""
+    if not line:
+        return True
+    if line in ("/exit", "/quit"):
+        return False
+    if line == "/stats":
+        out.result("stats", session.stats(), style="dim")
+    elif line == "/reset":
+        session.reset()
+        out.info("conversation reset")
+    elif line.startswith("/"):
+        out.info(f"unknown command {line.split()[0]}; {HELP}")
+    else:
+        try:
+            session.ask(line, out)
+        except ValueError as e:
+            out.info(f"error: {e}")
+    return True
+
+
+chat_command = model_options(exclude=("ignore_eos",), n_predict=256)(chat)

@@ -1,0 +1,54 @@
+"""Reading user-provided text (problem files, stdin) with clear failures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from zoomr.errors import UserError
+
+
+def read_text_input(path: str) -> str:
+    """Text of ``path`` (``-`` for stdin), UTF-8, non-empty.
+
+    Raises:
+        UserError: missing file, a directory, unreadable, binary (NUL bytes or not UTF-8), or empty.
+    """
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        where = "stdin"
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"{path}: no such file")
+        if p.is_dir():
+            raise UserError(f"{path}: is a directory, expected a text file")
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({e.strerror})") from None
+        where = path
+    if b"\x00" in data:
+        raise UserError(f"{where}: looks binary (contains NUL bytes), expected UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where}: not valid UTF-8 (byte {e.start})") from None
+    if not text.strip():
+        raise UserError(f"{where}: is empty")
+    return text.strip()
+
+
+def check_writable(path: str | None) -> None:
+    """Fail early, before any compute, when ``--json PATH`` cannot be written.
+
+    Raises:
+        UserError: the parent directory does not exist or PATH is a directory.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--json {path}: is a directory")
+    if not p.parent.exists():
+        raise UserError(f"--json {path}: directory {p.parent} does not exist")

@@ -1,0 +1,48 @@
+"""KV-policy output for solve/chat: live zoom events, the final policy line, the prompted-summaries system text."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from zoomr.backends.base import KVStats
+from zoomr.kvstore.events import EventBus, RecomputeEvent
+
+from zoomr.cli.render import mib
+
+
+def attach_live_events(bus: EventBus | None, out) -> bool:
+    """Print every recompute event as its own dim line on stderr while tokens stream (live mode only).
+
+    Returns True when a display was attached.
+    """
+    if bus is None or not out.live:
+        return False
+
+    def show(ev: RecomputeEvent) -> None:
+        # the token stream is mid-line on the same terminal: start the event on a line of its own
+        out.err.print(f"\n[dim cyan]⟲ {escape(ev.describe())}[/dim cyan]")
+
+    bus.subscribe(show)
+    return True
+
+
+def policy_line(kv: KVStats) -> str | None:
+    """One line of policy statistics from ``kv.extra`` (None for the plain full cache).
+
+    Shows the policy, which summaries mode ran, recomputes, AG mean ± std, active tokens (mean, peak),
+    full tokens, bytes of both and the memory saving (time-averaged, and at the peak).
+    """
+    x = kv.extra
+    if "policy" not in x:
+        return None
+    parts = [f"KV policy {x['policy']}"]
+    if "summaries_mode" in x:
+        ran = x["summaries_mode"]
+        parts.append(f"summaries: {ran} (--summaries {x['summaries_option']})")
+        parts.append(f"{x['segments']} segments · {x['recomputes']} recomputes")
+    if x.get("ag_mean") is not None:
+        parts.append(f"AG {x['ag_mean']:.3f} ± {x['ag_std']:.3f}")
+    parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
+                 f"of {kv.full_tokens} ({mib(kv.active_bytes)} / {mib(kv.full_bytes)}) · saving {kv.saving:.2f}× "
+                 f"(mean full / mean active bytes; {kv.saving_peak:.2f}× at the peak)")
+    return " · ".join(parts)

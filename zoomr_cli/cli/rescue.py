@@ -1,0 +1,114 @@
+"""``zoomr solve FILE --rescue``: model loading, the run under the live or plain view, results and ``--json``.
+
+:func:`run_rescue` builds the base (evicting policy), the helper (full KV) and the scorer from a
+:class:`zoomr.rescue.plan.RescuePlan`, runs :class:`zoomr.rescue.loop.RescueLoop`, prints the
+answer and statistics and writes the JSON record — also after Ctrl-C (exit 130).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+from pathlib import Path
+
+from zoomr.backends.sampling import Sampler
+
+from zoomr.factory import build_backend
+from zoomr.prompts import solve_prompt, system_with_summaries
+from zoomr.options import RunOptions
+from zoomr.cli.render import Output, mib
+from zoomr.rescue.runner import build_helper, rescue_once
+from zoomr.rescue.plan import RescueOptions, for_flag, plan_rescue
+from zoomr.cli.rescue_view import LiveView, PlainView
+from zoomr.rescue.scorers import build_scorer
+
+
+def _kv_line(role: str, kv: dict) -> str:
+    return (f"{role} KV {kv['active_tokens']}/{kv['full_tokens']} tok active/full "
+            f"({mib(kv['active_bytes'])} / {mib(kv['full_bytes'])}, peak {kv['peak_active_tokens']} tok)")
+
+
+class CtrlC:
+    """While active, the first Ctrl-C only sets a flag that the loop polls before every token, so the run
+    ends cleanly wherever it is (Python would otherwise raise KeyboardInterrupt wherever the signal lands,
+    including inside llama.cpp's C log callback, where ctypes swallows it). A second Ctrl-C interrupts at once.
+    Outside the main thread it does nothing (signal handlers can only be set there)."""
+
+    def __init__(self):
+        self.pressed = False
+        self._prev = None
+
+    def __call__(self) -> bool:
+        return self.pressed
+
+    def _handler(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self) -> "CtrlC":
+        try:
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread
+            self._prev = None
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+        return False
+
+
+def print_summary(out: Output, s: dict) -> None:
+    """Answer, step sources, tokens, aborts and KV lines on stdout."""
+    out.result("answer", s["answer"] if s["answer"] is not None else "(none found)")
+    n = len(s["steps"])
+    helper = sum(st["source"] == "helper" for st in s["steps"])
+    out.result("rescue", f"{n} steps (base {n - helper}, helper {helper}: helper share {s['helper_share']:.0%}) · "
+               f"candidates base {s['candidates']['base']} (aborted {s['aborted']}), helper {s['candidates']['helper']}"
+               f" · generated base {s['base_tokens']} tok, helper {s['helper_tokens']} tok · stop: {s['stop_reason']}",
+               style="dim")
+    out.result("scorer", s["scorer"] or "", style="dim")
+    for role in ("base", "helper"):
+        if role in s["kv"]:
+            out.result("kv", _kv_line(role, s["kv"][role]), style="dim")
+
+
+def run_rescue(problem: str, system: str | None, json_path: str | None, out: Output, opts: RunOptions,
+               ropts: RescueOptions) -> int:
+    """Run KV-Rescue on one problem; returns the exit code (0, or 130 after Ctrl-C).
+
+    Raises:
+        UserError / ValueError: bad flags or models (one line, exit 2).
+    """
+    plan = plan_rescue(ropts, opts)
+    sampler = Sampler(opts.sampling(default_temp=0.8))
+    for note in plan.notes:
+        out.info(note)
+    with out.status("loading scorer…"):
+        scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
+    with out.status("loading base model…"):
+        base = for_flag("base", build_backend, plan.base_opts)
+    with out.status("loading helper model…"):
+        helper = for_flag("--helper", build_helper, base, plan.helper_opts)
+    base_system = system_with_summaries(system, plan.base_opts.policy, opts.summaries)
+    base_ids = solve_prompt(base.tokenizer, problem, base_system)
+    helper_ids = solve_prompt(helper.tokenizer, problem, system)
+
+    view = LiveView(out.out) if out.live else PlainView(out)
+    ctrl_c = CtrlC()
+    settings = {"sampling": vars(sampler.params), "base_policy": plan.base_opts.policy, "budget": opts.budget,
+                "backend": opts.backend}
+    with ctrl_c, (view if out.live else contextlib.nullcontext()):
+        reason, transcript = rescue_once(base, helper, scorer, sampler, plan.config, problem, base_ids, helper_ids,
+                                         settings, observers=(view,), stop_requested=ctrl_c)
+    summary = transcript.summary()
+    print_summary(out, summary)
+    if json_path:
+        Path(json_path).write_text(json.dumps(transcript.record(problem), indent=1, ensure_ascii=False))
+        out.info(f"wrote {json_path}")
+    if reason == "interrupted":
+        out.info("interrupted: committed steps kept above" + (f" and in {json_path}" if json_path else ""))
+        return 130
+    return 0

@@ -1,0 +1,115 @@
+"""Matched budgets for ``zoomr bench --match-budget``: each evicting baseline gets the budget B whose *measured*
+mean active KV equals ZoomR's on the same problem.
+
+A budget is not a mean: R-KV and SnapKV attend between B and B + buffer (128) once the context exceeds
+B, streaming and H2O B + 1, and every policy holds less than B before the context reaches it. So the
+ZoomR paper's "same budget" comparison is made here on what is measured, in two steps:
+
+1. *Predict.* How many positions these four policies attend at each step depends only on the prompt
+   length, the number of decode steps and their knobs, never on the keys' values. The real policy is
+   driven through a real :class:`zoomr.kvstore.cache.PolicyKVCache` on tiny random tensors (1 layer, 1 KV
+   head) for ZoomR's prompt and generated length, and B is chosen so that the simulated mean active
+   KV is closest to the target (bracketed around the rule of thumb, then bisected). (For SnapKV/R-KV at long lengths this lands near
+   B = target − buffer/2, the rule of thumb.)
+2. *Check.* The bench runs the baseline at that B and compares its measured mean with the target; a
+   run whose length differs from ZoomR's is re-predicted at its own length and run once more. Rows
+   whose match stays off by more than :data:`TOLERANCE` are flagged in the records and the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from zoomr.kvstore.cache import PolicyKVCache
+from zoomr.kvstore.registry import PolicySpec
+
+TOLERANCE = 0.10  # |achieved / target − 1| a matched row may be off by
+
+
+def simulated_mean_active(spec: PolicySpec, prompt_tokens: int, generated_tokens: int) -> float:
+    """Mean active KV (tokens, over decode steps) that ``spec``'s policy attends for this length.
+
+    Args:
+        spec: an evicting policy's spec (streaming, h2o, snapkv, rkv); its budget and knobs.
+        prompt_tokens: prompt length P (tokens, ≥ 1), prefilled in one forward.
+        generated_tokens: tokens generated n; n decode forwards follow the prefill (the generation
+            loop decodes every accepted token into the cache).
+    Returns:
+        the mean over decode forwards of the positions attended (the prompt's size when n = 0).
+    Raises:
+        ValueError: the spec's knobs are invalid (see :meth:`zoomr.kvstore.registry.PolicySpec.build`).
+    """
+    g = torch.Generator().manual_seed(0)
+    d = 4
+    cache = PolicyKVCache(spec.build(), 1, 1, 1, d, torch.device("cpu"), torch.float32)
+    sizes = [prompt_tokens] + [1] * max(generated_tokens, 0)
+    for T in sizes:
+        q, k, v = (torch.randn(1, T, d, generator=g) for _ in range(3))
+        cache.update(0, q, k, v)
+        cache.end_forward([0] * T, " ")
+    return cache.stats().mean_active_tokens
+
+
+def valid_budgets(spec: PolicySpec, upper: int) -> tuple[int, int] | None:
+    """The smallest and largest budget in [1, ``upper``] that ``spec``'s knobs accept (tokens), or None."""
+    def ok(b: int) -> bool:
+        try:
+            replace(spec, budget=b).build()
+            return True
+        except ValueError:
+            return False
+
+    lo = next((b for b in range(1, min(upper, 4096) + 1) if ok(b)), None)
+    return None if lo is None or not ok(upper) else (lo, upper)
+
+
+def predict_budget(spec: PolicySpec, target: float, prompt_tokens: int, generated_tokens: int) -> tuple[int, float]:
+    """The budget whose simulated mean active KV is closest to ``target`` (bisection; the mean grows with B).
+
+    Args:
+        spec: the baseline (its budget is ignored).
+        target: the mean active KV to match (tokens), e.g. ZoomR's measured mean on this problem.
+        prompt_tokens, generated_tokens: the run's lengths (tokens).
+    Returns:
+        (budget B in tokens, its simulated mean active KV in tokens).
+    Raises:
+        ValueError: no budget is valid with these knobs.
+    """
+    upper = max(prompt_tokens + generated_tokens, 2)
+    span = valid_budgets(spec, upper)
+    if span is None:
+        raise ValueError(f"{spec.name}: no budget up to {upper} tokens is valid with these knobs")
+    lo, hi = span
+    mean = {}
+
+    def at(b: int) -> float:
+        if b not in mean:
+            mean[b] = simulated_mean_active(replace(spec, budget=b), prompt_tokens, generated_tokens)
+        return mean[b]
+
+    # bracket around the rule of thumb (mean ≈ B + slack/2 once the context exceeds B), then bisect
+    slack = replace(spec, budget=hi).build().slack
+    guess = min(max(round(target - slack / 2), lo), hi)
+    step = 8
+    a, b = guess, guess
+    while a > lo and at(a) > target:
+        a, step = max(lo, a - step), step * 2
+    step = 8
+    while b < hi and at(b) < target:
+        b, step = min(hi, b + step), step * 2
+    lo, hi = (a, b) if a < b else (a, a)
+    while hi - lo > 1:  # invariant: the best budget lies in [lo, hi]
+        mid = (lo + hi) // 2
+        if at(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    best = min((lo, hi), key=lambda b: abs(at(b) - target))
+    return best, at(best)
+
+
+def match_error(achieved: float, target: float) -> float:
+    """Relative error of a matched run's measured mean active KV: achieved / target − 1."""
+    return achieved / target - 1 if target else float("inf")

@@ -1,0 +1,30 @@
+"""The solve prompt: messages → the model's chat template → token ids (what solve, bench and rescue prefill)."""
+
+from __future__ import annotations
+
+from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.kvstore.registry import SEGMENTED
+from zoomr.kvstore.segments import SUMMARY_INSTRUCTION
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def solve_messages(problem: str, system: str | None = None) -> list[dict]:
+    """Chat messages for a problem: optional system message, then the problem + the boxed instruction."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user", "content": f"{problem}\n\n{INSTRUCTION}"}]
+
+
+def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int]:
+    """Token ids (tokens) of a problem's chat prompt: :func:`solve_messages` rendered with the model's
+    chat template and tokenized (what solve, bench and rescue all prefill)."""
+    return prompt_ids(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
+
+
+def system_with_summaries(system: str | None, policy: str, summaries: str) -> str | None:
+    """The system message to use: with ``--summaries prompted`` under sumr/zoomr, the instruction asking the
+    model to write delimited summaries is appended (ZoomR §3.2: large models can do so when asked, without
+    fine-tuning)."""
+    if summaries != "prompted" or policy not in SEGMENTED:
+        return system
+    return f"{system}\n\n{SUMMARY_INSTRUCTION}" if system else SUMMARY_INSTRUCTION

@@ -1,0 +1,258 @@
+"""The KV-Rescue loop: stepwise interleaving of an evicted base model and a full-context helper.
+
+Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", the pseudocode and
+"Implementation details". Per step t, with committed context c_t = (question, s_<t):
+
+1. fork the base's evicted state N_b times and the helper's full state N_h times;
+2. sample each candidate (T 0.8, top-p 0.95, top-k 20 by default) until ``\\n\\n``, EOS or the
+   step-token limit (512); base candidates are aborted online by the degeneration detector
+   (:mod:`zoomr.rescue.degeneration`; "early exit", off with ``early_exit=False``), helper candidates
+   keep the pool non-empty;
+3. score the survivors (a PRM, or the fallback in :mod:`zoomr.rescue.scorers`) and commit the best;
+4. re-base: the winner's fork becomes its model's state (no history token is computed again),
+   the other model prefills the committed step (an evicting base evicts back to its budget).
+
+The loop ends at an EOS step, after ``max_steps`` steps (1024) or at the context cap (4096 tokens of
+committed trajectory). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
+baseline (no helper candidate, no early exit) with the same machinery.
+
+Memory: candidates run one after another and are scored as they finish, so at most three
+sequences per model are alive at once (the committed state, the best candidate so far, the one
+being sampled) plus one scoring fork of the helper, whatever N_b and N_h are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from zoomr.backends.generation import GenerationStats, generate
+from zoomr.backends.sampling import Sampler
+
+from zoomr.rescue.degeneration import DegenerationDetector, DetectorConfig
+from zoomr.rescue.events import (
+    CandidateAborted,
+    CandidateFinished,
+    CandidateScored,
+    CandidateStarted,
+    CandidateToken,
+    EventStream,
+    KVSnapshot,
+    RunFinished,
+    RunStarted,
+    StepCommitted,
+)
+from zoomr.grading import extract_answer
+from zoomr.rescue.engine import Candidate, Engine
+from zoomr.rescue.scorers import Scorer, StepContext
+
+
+@dataclass(frozen=True)
+class RescueConfig:
+    """Loop settings (paper defaults except the candidate counts, see ``zoomr.cli.rescue``).
+
+    Attributes:
+        nb, nh: base and helper candidates per step (N_b, N_h).
+        step_tokens: most tokens of one step (tokens).
+        max_steps: most committed steps.
+        max_context: most tokens of committed trajectory, prompt included, in either model (tokens).
+        step_end: the text that ends a step.
+        detector: degeneration thresholds (base candidates only).
+        early_exit: abort base candidates the detector flags (the paper's "early exit"); False keeps
+            every candidate (the detector's signals are still computed and reported).
+    """
+
+    nb: int = 2
+    nh: int = 2
+    step_tokens: int = 512
+    max_steps: int = 1024
+    max_context: int = 4096
+    step_end: str = "\n\n"
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    early_exit: bool = True
+
+    def validate(self) -> "RescueConfig":
+        """Return self.
+
+        Raises:
+            ValueError: negative counts, no candidates at all, a step or step limit below 1 (one line).
+        """
+        if self.nb < 0 or self.nh < 0:
+            raise ValueError(f"--nb and --nh must be >= 0, got {self.nb} and {self.nh}")
+        if self.nb + self.nh == 0:
+            raise ValueError("--nb 0 --nh 0 leaves no candidate to commit: give at least one")
+        if self.step_tokens < 1:
+            raise ValueError(f"--step-tokens must be at least 1, got {self.step_tokens}")
+        if self.max_steps < 1:
+            raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
+        self.detector.validate()
+        return self
+
+    def as_dict(self) -> dict:
+        """JSON-ready settings."""
+        return asdict(self)
+
+
+@dataclass
+class CommittedStep:
+    """One step of the trajectory: who wrote it, its score, text and length in its model's tokens."""
+
+    source: str
+    score: float
+    text: str
+    tokens: int
+
+
+class RescueLoop:
+    """Runs KV-Rescue for one question and reports every action on ``events``.
+
+    Args:
+        base: the evicted model's engine; helper: the full-KV model's engine (always present: it
+            follows the trajectory and may score even when ``nh`` is 0).
+        scorer: see :mod:`zoomr.rescue.scorers`.
+        sampler: draws every candidate's tokens (one seeded stream: runs are reproducible).
+        config: validated here.
+        events: where events go (subscribe the views and the transcript first).
+        stop_requested: polled before every sampled token; True ends the run like Ctrl-C (the CLI sets it
+            from a SIGINT handler: a KeyboardInterrupt raised inside a C callback of llama.cpp is lost).
+    Raises:
+        ValueError: see :meth:`RescueConfig.validate`.
+    """
+
+    def __init__(self, base: Engine, helper: Engine, scorer: Scorer, sampler: Sampler, config: RescueConfig,
+                 events: EventStream, stop_requested: Callable[[], bool] = lambda: False):
+        self.base, self.helper, self.scorer, self.sampler = base, helper, scorer, sampler
+        self.config = config.validate()
+        self.events = events
+        self.stop_requested = stop_requested
+        self.steps: list[CommittedStep] = []
+
+    @property
+    def text(self) -> str:
+        """The committed solution so far."""
+        return "".join(s.text for s in self.steps)
+
+    def run(self, question: str, base_prompt: list[int], helper_prompt: list[int],
+            settings: dict | None = None) -> str:
+        """Solve ``question`` from the two models' prompts; returns the stop reason (see
+        :class:`zoomr.rescue.events.RunFinished`). Ctrl-C ends the loop cleanly with ``interrupted``: what
+        was committed stays, every candidate fork is freed.
+
+        Raises:
+            ValueError: a prompt longer than the context cap.
+        """
+        t0 = time.perf_counter()
+        longest = max(len(base_prompt), len(helper_prompt))
+        if longest >= self.config.max_context:
+            raise ValueError(f"the prompt has {longest} tokens, more than -c {self.config.max_context} allows")
+        self.question = question
+        self.base.start(base_prompt)
+        self.helper.start(helper_prompt)
+        self.events.emit(RunStarted(question, self.base.backend.describe(), self.helper.backend.describe(),
+                                    self.scorer.name, {**self.config.as_dict(), **(settings or {})},
+                                    {"base": len(base_prompt), "helper": len(helper_prompt)},
+                                    {e.role: e.backend.kv_stats(e.seq).as_dict() for e in (self.base, self.helper)}))
+        reason = "max_steps"
+        try:
+            for step in range(self.config.max_steps):
+                if self.stop_requested():
+                    raise KeyboardInterrupt
+                room = self.config.max_context - max(self.base.length, self.helper.length)
+                if room < 1:
+                    reason = "context"
+                    break
+                best, survivors = self._step(step, min(self.config.step_tokens, room))
+                if best is None:
+                    reason = "degenerate"
+                    break
+                self._commit(best, survivors)
+                if best.final:
+                    reason = "eos"
+                    break
+        except KeyboardInterrupt:
+            reason = "interrupted"
+        self.events.emit(RunFinished(extract_answer(self.text), reason, len(self.steps),
+                                     round(time.perf_counter() - t0, 3)))
+        return reason
+
+    def close(self) -> None:
+        """Free both committed states."""
+        self.base.close()
+        self.helper.close()
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def _step(self, step: int, n_tokens: int) -> tuple[Candidate | None, int]:
+        """Sample, check and score every candidate of ``step``; keep only the best one's fork alive."""
+        ctx = StepContext(self.question, [s.text for s in self.steps], self.helper)
+        plan = [self.base] * self.config.nb + [self.helper] * self.config.nh
+        best: Candidate | None = None
+        survivors = 0
+        try:
+            for index, engine in enumerate(plan):
+                cand = self._sample(step, index, engine, n_tokens)
+                if cand is None:
+                    continue
+                survivors += 1
+                score = self.scorer.score(ctx, cand)
+                cand.score = -math.inf if math.isnan(score) else float(score)
+                self.events.emit(CandidateScored(step, index, cand.source, cand.score, self.scorer.name))
+                if best is None or cand.score > best.score:  # ties keep the earlier candidate
+                    cand, best = best, cand
+                if cand is not None:  # whichever lost: its fork is no longer needed
+                    cand.engine.release(cand.seq)
+        except BaseException:
+            if best is not None:
+                best.engine.release(best.seq)
+            raise
+        return best, survivors
+
+    def _sample(self, step: int, index: int, engine: Engine, n_tokens: int) -> Candidate | None:
+        """One candidate from a fork of ``engine``'s committed state; None when the detector aborted it.
+
+        Each token event carries the KV the candidate's fork attended at the forward its logits came
+        from, so the committed trajectory's KV can be averaged per token (see
+        :meth:`zoomr.rescue.transcript.Transcript.trajectory_kv`)."""
+        src = engine.role
+        self.events.emit(CandidateStarted(step, index, src))
+        detector = DegenerationDetector(self.config.detector)
+        gen = GenerationStats()
+        seq = engine.fork()
+        try:
+            for tok in generate(engine.backend, seq, [], self.sampler, n_tokens, gen, stop=(self.config.step_end,),
+                                logits=engine.next_logits):
+                if self.stop_requested():
+                    raise KeyboardInterrupt
+                engine.generated += 1
+                sig = detector.push(tok.text, tok.logits)
+                kv = engine.backend.kv_stats(seq)
+                self.events.emit(CandidateToken(step, index, src, tok.token, tok.text, sig.tokens,
+                                                round(sig.entropy, 4), round(sig.mean_entropy, 4),
+                                                round(sig.gzip_ratio, 4), kv.active_tokens, kv.active_bytes,
+                                                kv.full_tokens, kv.full_bytes))
+                if sig.abort and src == "base" and self.config.early_exit:  # the paper screens base candidates only
+                    self.events.emit(CandidateAborted(step, index, src, sig.abort, sig.tokens, sig.as_dict(),
+                                                      gen.text))
+                    engine.release(seq)
+                    return None
+        except BaseException:
+            engine.release(seq)
+            raise
+        self.events.emit(CandidateFinished(step, index, src, gen.stop_reason, gen.generated_tokens, gen.text))
+        return Candidate(step, index, src, engine, seq, list(gen.token_ids), gen.text, gen.stop_reason,
+                         gen.next_logits)
+
+    def _commit(self, best: Candidate, survivors: int) -> None:
+        """Append ``best`` to the trajectory and re-base both models on it."""
+        winner, other = (self.base, self.helper) if best.source == "base" else (self.helper, self.base)
+        other_ids = other.ids_of(best)
+        winner.adopt(best)
+        prefilled = other.extend(other_ids)
+        self.steps.append(CommittedStep(best.source, best.score, best.text, len(best.ids)))
+        self.events.emit(StepCommitted(best.step, best.index, best.source, best.score, best.text, len(best.ids),
+                                       self.config.nb + self.config.nh, survivors,
+                                       {winner.role: 0, other.role: prefilled}, best.final))
+        for engine in (self.base, self.helper):
+            self.events.emit(KVSnapshot(best.step, engine.role, engine.backend.kv_stats(engine.seq).as_dict()))

@@ -1,0 +1,145 @@
+"""KV-Rescue settings: flags, preset and defaults resolved into a :class:`RescuePlan` before any model loads.
+
+:func:`plan_rescue` resolves them (command line, then ``--preset``, then :data:`DEFAULTS`) and checks
+everything it can before any model is loaded.
+
+Defaults follow the KV-Rescue paper (arXiv:2608.15797) except the candidate counts: N_b = N_h = 2
+instead of the paper's 8 (its main results use N ∈ {1, 8}), because every candidate is decoded one
+after another and on a CPU each costs seconds; ``--preset paper`` sets the paper's models and 8 + 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from zoomr.backends.models import resolve_model
+from zoomr.errors import UserError
+from zoomr.options import RunOptions
+
+from .degeneration import DetectorConfig
+from .loop import RescueConfig
+
+BASE_POLICIES = ("rkv", "snapkv", "streaming", "zoomr")
+# values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
+DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
+            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "detector": True}
+
+
+@dataclass
+class RescueOptions:
+    """The ``--rescue`` family of flags; None = not given (a preset or :data:`DEFAULTS` decides)."""
+
+    rescue: bool = False
+    base_policy: Optional[str] = None
+    helper: Optional[str] = None
+    prm: Optional[str] = None
+    nb: Optional[int] = None
+    nh: Optional[int] = None
+    step_tokens: Optional[int] = None
+    max_steps: Optional[int] = None
+    abort_entropy: Optional[float] = None
+    entropy_window: Optional[int] = None
+    entropy_guard: Optional[int] = None
+    abort_gzip: Optional[float] = None
+    gzip_window: Optional[int] = None
+    detector: Optional[bool] = None
+    preset: Optional[str] = None
+
+
+def load_preset(name: str | None) -> dict:
+    """The ``[rescue]`` table of ``configs/rescue_<name>.toml`` ({} for None).
+
+    Raises:
+        UserError: no such preset.
+    """
+    if name is None:
+        return {}
+    from zoomr.configs import load
+
+    try:
+        return load(f"rescue_{name}").get("rescue", {})
+    except FileNotFoundError:
+        raise UserError(f"--preset {name!r}: no configs/rescue_{name}.toml") from None
+
+
+@dataclass
+class RescuePlan:
+    """Everything resolved from the flags: the loop config, each model's run options, the PRM."""
+
+    config: RescueConfig
+    base_opts: RunOptions
+    helper_opts: RunOptions
+    prm: str | None
+    notes: list[str]
+
+
+def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
+    """Resolve flags, preset and defaults; validate before any model is loaded.
+
+    Raises:
+        UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset.
+        ValueError: bad counts or thresholds (see :meth:`RescueConfig.validate`).
+    """
+    preset = load_preset(ropts.preset)
+
+    def pick(name: str):
+        given = getattr(ropts, name)
+        return given if given is not None else preset.get(name, DEFAULTS.get(name))
+
+    if opts.policy != "full":
+        raise UserError(f"--policy {opts.policy}: with --rescue the base's eviction is --base-policy "
+                        "(the helper always keeps full KV)")
+    notes = []
+    policy = pick("base_policy")
+    if policy is None:
+        policy = "streaming" if opts.backend == "llamacpp" else "rkv"
+        if opts.backend == "llamacpp":
+            notes.append("base policy streaming: R-KV needs attention scores, which llama.cpp does not expose")
+    if policy == "full":
+        raise UserError("--base-policy full: the base must evict (the helper is the full-KV model); "
+                        f"choose from {', '.join(BASE_POLICIES)}")
+    if policy not in BASE_POLICIES:
+        raise UserError(f"--base-policy {policy!r} unknown (choose from {', '.join(BASE_POLICIES)})")
+    detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
+                              pick("abort_gzip"), pick("gzip_window"))
+    config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
+                          detector=detector, early_exit=pick("detector")).validate()
+    model = opts.model if opts.model is not None else preset.get("model")
+    base_opts = dataclasses.replace(opts, model=model, policy=policy)
+    helper_opts = dataclasses.replace(opts, model=pick("helper"), policy="full")
+    # a bad policy knob, a missing helper or PRM should fail now, not after a model has loaded
+    for_flag("--base-policy", check_policy, base_opts)
+    for_flag("-m", resolve_model, model)
+    for_flag("--helper", resolve_model, helper_opts.model)
+    if pick("prm") is not None:
+        for_flag("--prm", resolve_model, pick("prm"))
+    return RescuePlan(config, base_opts, helper_opts, pick("prm"), notes)
+
+
+def check_policy(opts: RunOptions) -> None:
+    """Build (and drop) ``opts.policy`` as ``opts.backend`` would, so bad knobs fail before any model loads.
+
+    Raises:
+        ValueError: a policy the backend cannot run, or knobs out of range.
+    """
+    if opts.backend == "llamacpp":
+        from zoomr.backends.llamacpp.policies import make_policy
+
+        make_policy(opts.policy, opts.ctx_size, budget=opts.budget, window=opts.window, sink=opts.sink)
+    else:
+        from zoomr.kvstore.registry import PolicySpec
+
+        PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
+                   opts.summaries).build()
+
+
+def for_flag(flag: str, build, *args):
+    """Build or resolve one model; a bad model becomes a one-line UserError naming its flag."""
+    try:
+        return build(*args)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise UserError(f"{flag}: {e}") from None
