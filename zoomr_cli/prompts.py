@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zoomr.backends.chat_template import prompt_ids, render_chat
-from zoomr.kvstore.registry import SEGMENTED
+from zoomr.kvstore.registry import policy_info
 from zoomr.kvstore.segments import SUMMARY_INSTRUCTION
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -22,9 +22,9 @@ def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int
 
 
 def system_with_summaries(system: str | None, policy: str, summaries: str) -> str | None:
-    """The system message to use: with ``--summaries prompted`` under sumr/zoomr, the instruction asking the
-    model to write delimited summaries is appended (ZoomR §3.2: large models can do so when asked, without
-    fine-tuning)."""
-    if summaries != "prompted" or policy not in SEGMENTED:
+    """The system message to use: with ``--summaries prompted`` under a policy that reads ``--summaries``
+    (sumr, zoomr), the instruction asking the model to write delimited summaries is appended (ZoomR §3.2:
+    large models can do so when asked, without fine-tuning)."""
+    if summaries != "prompted" or "summaries" not in policy_info(policy).knob_names:
         return system
     return f"{system}\n\n{SUMMARY_INSTRUCTION}" if system else SUMMARY_INSTRUCTION

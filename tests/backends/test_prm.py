@@ -163,7 +163,7 @@ def test_prm_scorer_reports_the_prms_kv_and_a_rescue_cell_counts_it(prm, tiny_pr
     scorer.reset_kv_peak()
     assert scorer.kv_peak_bytes == 0 and scorer.label("h") == f"prm:{tiny_prm[0]}"
 
-    opts = RunOptions(ctx_size=torch_backend.n_ctx, device="cpu", dtype="fp32", top_k=20, budget=16)
+    opts = RunOptions(ctx_size=torch_backend.n_ctx, device="cpu", dtype="fp32", top_k=20, knobs={"budget": 16})
     rplan, _ = plan(RescueOptions(rescue=True, prm=str(tiny_prm[0]), nb=1, nh=1, step_tokens=4, max_steps=2), opts)
     cells = RescueCells(torch_backend, opts, rplan)
     problem = Problem("0", QUESTION, "9")

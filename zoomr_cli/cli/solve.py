@@ -55,7 +55,7 @@ def solve(
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())
-    system = system_with_summaries(system, opts.policy, opts.summaries)
+    system = system_with_summaries(system, opts.policy, opts.knob("summaries"))
     ids = solve_prompt(backend.tokenizer, problem, system)
     if len(ids) >= backend.n_ctx:
         raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
