@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.chat_template import encode_rendered, render_chat
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
@@ -55,7 +55,7 @@ class ChatSession:
             self.rebuilds += 1
             self.backend.free(self.seq)
             self.seq = self.backend.new_sequence()
-        return prompt_ids(tok, text)
+        return encode_rendered(tok, text)
 
     def ask(self, user_text: str, out: Output) -> GenerationStats:
         """Answer one user turn, streaming to ``out``; Ctrl-C keeps the partial answer in the conversation.
