@@ -34,6 +34,7 @@ _EXPORTS = {
     "SolveResult": "zoomr.solving",
     "run_rescue": "zoomr.rescue.runner",
     "RescueConfig": "zoomr.rescue.loop",
+    "DetectorConfig": "zoomr.rescue.degeneration",
     "load_problems": "zoomr.evaluation.datasets",
 }
 
