@@ -65,3 +65,15 @@ def test_make_policy_builds_a_fresh_policy_with_its_knobs():
         zoomr.make_policy("nope")
     with pytest.raises(TypeError):
         zoomr.make_policy("h2o", frobnicate=1)
+
+
+def test_readme_python_section_uses_only_exported_names():
+    import re
+
+    from conftest import ROOT
+
+    section = (ROOT / "README.md").read_text().split("## Using zoomr from Python", 1)[1].split("\n## ", 1)[0]
+    used = set(re.findall(r"\bzoomr\.(\w+)", section)) - {"__all__"}
+    assert used and used <= set(zoomr.__all__), used - set(zoomr.__all__)
+    listed = set(re.findall(r"`(\w+)`", section.split("`zoomr.__all__` lists the rest:", 1)[1]))
+    assert listed | used == set(zoomr.__all__), set(zoomr.__all__) ^ (listed | used)
