@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -16,7 +14,7 @@ from zoomr.errors import UserError
 from zoomr.factory import build_backend
 from zoomr.prompts import solve_prompt
 from zoomr.grading import extract_answer
-from zoomr.cli.inputs import check_writable, read_text_input
+from zoomr.cli.inputs import check_writable, read_text_input, write_json
 from zoomr.cli.kv_display import attach_live_events, policy_line
 from zoomr.prompts import system_with_summaries
 from zoomr.options import RunOptions
@@ -31,8 +29,11 @@ def solve(
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="The problem as text.")] = None,
     prompt_file: Annotated[Optional[str], typer.Option("-f", "--file", help="Problem file (same as FILE).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Write a JSON record of the run here.")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write a JSON record of the run here; - for "
+                                                     "stdout (then the text and results go to stderr).")] = None,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output for pipes.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Also print every KV-policy recompute (ZoomR "
+                                          "zooms, sumr segments) as it happens, on stderr.")] = False,
     *,
     opts: RunOptions,
     rescue: RescueOptions,
@@ -47,7 +48,7 @@ def solve(
     if not problem:
         raise UserError("-p: the problem text is empty")
     check_writable(json_path)
-    out = Output(live=not no_live)
+    out = Output(live=not no_live, stdout_free=json_path == "-")
     if rescue.rescue:  # KV-Rescue lives in rescue_cli.py; plain solve continues below
         return run_rescue(problem, system, json_path, out, opts, rescue)
     sampler = Sampler(opts.sampling(default_temp=0.0))
@@ -61,7 +62,8 @@ def solve(
         raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
 
     seq = backend.new_sequence()
-    attach_live_events(kv_events(backend), out)
+    if verbose:
+        attach_live_events(kv_events(backend), out)
     gen = GenerationStats()
     code = 0
     try:
@@ -91,11 +93,11 @@ def solve(
             "timing": {"prefill_s": round(gen.prefill_s, 4), "decode_s": round(gen.decode_s, 4),
                        "prefill_tok_s": round(gen.prefill_tok_s, 2), "decode_tok_s": round(gen.decode_tok_s, 2)},
         }
-        Path(json_path).write_text(json.dumps(record, indent=2, ensure_ascii=False))
-        out.info(f"wrote {json_path}")
+        where = write_json(json_path, record, indent=2)
+        out.info(f"wrote {where}")
     if code:
-        out.info("interrupted: partial result kept above" + (f" and in {json_path}" if json_path else ""))
+        out.info("interrupted: partial result kept above" + (f" and in {where}" if json_path else ""))
     return code
 
 
-solve_command = model_options(n_predict=512, top_k=20)(rescue_options(solve))
+solve_command = model_options(n_predict=512, shown={"temp": "0, greedy; 0.8 with --rescue"})(rescue_options(solve))
