@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import sys
 import typing
 from dataclasses import fields
 from typing import Annotated, Optional
@@ -32,8 +34,10 @@ _OPTION_DECLS = {
                                     rich_help_panel=PANEL_MODEL)),
     "threads": (Optional[int], typer.Option("-t", "--threads", help="CPU threads (default: all cores).",
                                             rich_help_panel=PANEL_MODEL)),
-    "n_gpu_layers": (int, typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the GPU "
-                                       "(-1 all); torch: 0 forces the CPU.", rich_help_panel=PANEL_MODEL)),
+    # None on the command line = not given (RunOptions' -1), so that a -ngl without effect can be named
+    "n_gpu_layers": (Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the "
+                                                 "GPU; torch: 0 forces the CPU.", show_default="-1, all",
+                                                 rich_help_panel=PANEL_MODEL)),
     "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
                                  rich_help_panel=PANEL_MODEL)),
     "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16), fp32, "
@@ -61,23 +65,61 @@ _OPTION_DECLS = {
 }
 
 
-def model_options(exclude: tuple[str, ...] = (), **defaults):
+def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = None, **defaults):
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
 
     Args:
         exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
             they keep RunOptions' defaults in ``opts``.
+        shown: what ``--help`` gives as the default of options the command resolves itself when they are
+            not given (``--temp``: None in RunOptions, the command's own temperature), by option name.
         defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
     """
     base = {f.name: f.default for f in fields(RunOptions)}
     base.update(defaults)
     decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
+    for name, text in (shown or {}).items():
+        typ, opt = decls[name]
+        opt = copy.copy(opt)  # the declaration is shared by every command
+        opt.show_default = text
+        decls[name] = (typ, opt)
+
+    def build(values: dict) -> RunOptions:
+        given = values.get("n_gpu_layers") is not None
+        if not given:
+            values["n_gpu_layers"] = base["n_gpu_layers"]
+        opts = RunOptions(**values, **{name: base[name] for name in exclude})
+        note = gpu_layers_note(opts, given)
+        if note:
+            print(f"zoomr: {note}", file=sys.stderr)
+        return opts
 
     def wrap(fn):
-        return grouped_options(fn, "opts", decls, base,
-                               lambda values: RunOptions(**values, **{name: base[name] for name in exclude}))
+        return grouped_options(fn, "opts", decls, {**base, "n_gpu_layers": None}, build)
 
     return wrap
+
+
+def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
+    """The line saying that ``-ngl`` has no effect here (None when it has one, or was not given).
+
+    ``-ngl N`` (N != 0) moves layers to a GPU only on a llama.cpp build with GPU offload, or for torch
+    where CUDA is present; elsewhere the run is on the CPU whatever N says. ``given``: the user set it.
+    """
+    if not given or opts.n_gpu_layers == 0:
+        return None
+    flag = f"-ngl {opts.n_gpu_layers}"
+    if opts.backend == "llamacpp":
+        from zoomr.backends.llamacpp.runtime import gpu_offload_supported
+
+        if not gpu_offload_supported():
+            return f"{flag} has no effect: this llama.cpp build has no GPU offload, every layer runs on the CPU"
+    elif opts.backend == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"{flag} has no effect: torch finds no CUDA device, the model runs on the CPU"
+    return None
 
 
 def grouped_options(fn, param: str, decls: dict, defaults: dict, build):

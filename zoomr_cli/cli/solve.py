@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -16,7 +14,7 @@ from zoomr.options import RunOptions
 from zoomr.prompts import system_with_summaries
 from zoomr.rescue.plan import RescueOptions
 
-from zoomr.cli.inputs import check_writable, read_text_input
+from zoomr.cli.inputs import check_writable, read_text_input, write_json
 from zoomr.cli.kv_display import attach_live_events, policy_line
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, stats_line
@@ -29,8 +27,11 @@ def solve(
     prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="The problem as text.")] = None,
     prompt_file: Annotated[Optional[str], typer.Option("-f", "--file", help="Problem file (same as FILE).")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
-    json_path: Annotated[Optional[str], typer.Option("--json", help="Write a JSON record of the run here.")] = None,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write a JSON record of the run here; - for "
+                                                     "stdout (then the text and results go to stderr).")] = None,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output for pipes.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Also print every KV-policy recompute (ZoomR "
+                                          "zooms, sumr segments) as it happens, on stderr.")] = False,
     *,
     opts: RunOptions,
     rescue: RescueOptions,
@@ -45,7 +46,7 @@ def solve(
     if not problem:
         raise UserError("-p: the problem text is empty")
     check_writable(json_path)
-    out = Output(live=not no_live)
+    out = Output(live=not no_live, stdout_free=json_path == "-")
     if rescue.rescue:  # KV-Rescue lives in zoomr.cli.rescue; plain solve continues below
         return run_rescue(problem, system, json_path, out, opts, rescue)
     sampling = opts.sampling(default_temp=0.0)
@@ -54,7 +55,8 @@ def solve(
         backend = build_backend(opts)
     out.info(backend.describe())
     system = system_with_summaries(system, opts.policy, opts.summaries)
-    attach_live_events(kv_events(backend), out)
+    if verbose:
+        attach_live_events(kv_events(backend), out)
     result = solving.solve(backend, problem, system=system, sampling=sampling, n_predict=opts.n_predict,
                            ignore_eos=opts.ignore_eos, on_token=out.token)
     code = 130 if result.stop_reason == "interrupted" else 0
@@ -64,11 +66,11 @@ def solve(
     if policy_line(result.kv):
         out.result("kv", policy_line(result.kv), style="dim")
     if json_path:
-        Path(json_path).write_text(json.dumps(result.record(), indent=2, ensure_ascii=False))
-        out.info(f"wrote {json_path}")
+        where = write_json(json_path, result.record(), indent=2)
+        out.info(f"wrote {where}")
     if code:
-        out.info("interrupted: partial result kept above" + (f" and in {json_path}" if json_path else ""))
+        out.info("interrupted: partial result kept above" + (f" and in {where}" if json_path else ""))
     return code
 
 
-solve_command = model_options(n_predict=512, top_k=20)(rescue_options(solve))
+solve_command = model_options(n_predict=512, shown={"temp": "0, greedy; 0.8 with --rescue"})(rescue_options(solve))
