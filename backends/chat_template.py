@@ -58,7 +58,18 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
         raise ChatTemplateError(f"chat template does not render: {e}") from None
 
 
-def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Tokenize a rendered prompt, adding BOS only when the text does not already start with it."""
-    add_bos = tokenizer.bos_id is not None and not (tokenizer.bos_text and text.startswith(tokenizer.bos_text))
-    return tokenizer.encode(text, add_bos=add_bos, special=True)
+def encode_rendered(tokenizer: Tokenizer, rendered: str) -> list[int]:
+    """Token ids of text that is *already* a rendered chat prompt (the output of :func:`render_chat`).
+
+    Control tokens in ``rendered`` (``<|im_start|>``) are parsed as such, and BOS is added only when the
+    text does not start with it already. No template is applied here: a raw problem or user message
+    passed in would reach the model without its chat format. For a problem use
+    :func:`zoomr.prompts.solve_prompt` (messages → template → ids).
+
+    Args:
+        rendered: the template's output text.
+    Returns:
+        token ids (tokens).
+    """
+    add_bos = tokenizer.bos_id is not None and not (tokenizer.bos_text and rendered.startswith(tokenizer.bos_text))
+    return tokenizer.encode(rendered, add_bos=add_bos, special=True)

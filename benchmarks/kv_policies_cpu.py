@@ -208,17 +208,16 @@ def synthetic(n_tokens: int, window: int) -> dict:
 
 
 def run(a) -> int:
-    from zoomr.backends.chat_template import prompt_ids, render_chat
     from zoomr.backends.models import resolve_model
     from zoomr.backends.torch.engine import TorchBackend
     from zoomr.kvstore.registry import PolicySpec
-    from zoomr.prompts import solve_messages
+    from zoomr.prompts import solve_prompt
 
     backend = TorchBackend(resolve_model(None), device="cpu", dtype=a.dtype, n_ctx=a.tokens + 1024,
                            threads=a.threads)
     tok = backend.tokenizer
     problem, forced = forced_ids(tok, a.tokens)
-    ids = prompt_ids(tok, render_chat(tok, solve_messages(problem)))
+    ids = solve_prompt(tok, problem)
     chunks = sentence_chunks(tok, forced[:len(forced) - a.decode])
     spec = PolicySpec("zoomr", window=a.window)
     checkpoints = [c for c in (256, 512, 1024, 2048, 3072, 4096, 8192) if c <= a.tokens - a.decode]

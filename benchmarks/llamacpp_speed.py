@@ -32,11 +32,10 @@ def chat_prompt(tokenizer) -> list[int]:
     """The ``zoomr solve examples/problem.txt`` prompt."""
     from pathlib import Path
 
-    from zoomr.backends.chat_template import prompt_ids, render_chat
-    from zoomr.prompts import solve_messages
+    from zoomr.prompts import solve_prompt
 
     problem = (Path(__file__).resolve().parents[1] / "examples" / "problem.txt").read_text().strip()
-    return prompt_ids(tokenizer, render_chat(tokenizer, solve_messages(problem)))
+    return solve_prompt(tokenizer, problem)
 
 
 def _clocks() -> tuple[float, float]:

@@ -168,6 +168,8 @@ for _row in (
 ):
     register(_row)
 
+POLICIES = tuple(REGISTRY)  # the shipped policies (policy_names() also lists those registered later)
+
 
 def policy_info(name: str) -> PolicyInfo:
     """The registry row of ``name``.
@@ -246,13 +248,13 @@ class PolicySpec:
         """The policy's config with these knobs.
 
         Raises:
-            ValueError: unknown name, a knob this policy does not have, or a knob out of range (one message).
+            ValueError: unknown name, or a knob out of range (one message naming the flag).
+            TypeError: a knob this policy does not have (as for an unexpected keyword argument).
         """
         info = policy_info(self.name)
         extra = [k for k in self.knobs if k not in info.knob_names]
         if extra:
-            raise ValueError(f"{self.name} has no {flag(extra[0])} knob (its knobs: "
-                             f"{', '.join(flag(k) for k in info.knob_names) or 'none'})")
+            raise TypeError(f"{self.name} has no knob {extra[0]!r} (its knobs: {', '.join(info.knob_names) or 'none'})")
         return info.config(**self.knobs)
 
     def build(self) -> KVPolicy:
@@ -260,6 +262,7 @@ class PolicySpec:
 
         Raises:
             ValueError: see :meth:`config`; an unknown offload mode; knobs that do not fit together.
+            TypeError: see :meth:`config`.
         """
         config = self.config()
         if self.offload not in OFFLOAD_MODES:

@@ -29,7 +29,9 @@ class RunOptions:
     device: str = "auto"
     dtype: str = "auto"
     temp: Optional[float] = None
-    top_k: int = 40
+    # KV-Rescue's (arXiv:2608.15797) top-k for every command: solve and bench run --rescue with it, and
+    # bench records it; greedy runs (--temp 0) do not read it. llama.cpp's own default is 40.
+    top_k: int = 20
     top_p: float = 0.95
     seed: int = 0
     ignore_eos: bool = False

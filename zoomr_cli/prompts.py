@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.chat_template import encode_rendered, render_chat
 from zoomr.kvstore.registry import policy_info
 from zoomr.kvstore.segments import SUMMARY_INSTRUCTION
 
@@ -16,9 +16,21 @@ def solve_messages(problem: str, system: str | None = None) -> list[dict]:
 
 
 def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int]:
-    """Token ids (tokens) of a problem's chat prompt: :func:`solve_messages` rendered with the model's
-    chat template and tokenized (what solve, bench and rescue all prefill)."""
-    return prompt_ids(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
+    """Token ids of a problem's chat prompt, ready to prefill (what solve, bench and rescue all prefill).
+
+    :func:`solve_messages` rendered with the model's own chat template (ChatML when it has none) and
+    tokenized with its control tokens; the generation prompt (the assistant turn's header) is included.
+
+    Args:
+        tokenizer: the model's tokenizer (``backend.tokenizer``).
+        problem: the problem text, as the user would type it (no template).
+        system: an optional system message.
+    Returns:
+        token ids (tokens).
+    Raises:
+        zoomr.backends.chat_template.ChatTemplateError: the model's template does not render.
+    """
+    return encode_rendered(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
 
 
 def system_with_summaries(system: str | None, policy: str, summaries: str) -> str | None:

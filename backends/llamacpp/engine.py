@@ -65,6 +65,18 @@ def size_cache(cap: int, evicts: bool, max_sequences: int | None, kv_cells: int 
     return max_sequences, kv_cells
 
 
+def cache_words(kv_cells: int, max_sequences: int, unified: bool) -> str:
+    """The KV cache of :meth:`LlamaCppBackend.describe` in plain words: cells (one token's K and V each) and
+    the room kept for forks (the candidates KV-Rescue forks from the sequence), in one pool or one stream each."""
+    size, forks = f"KV cache {kv_cells} cells (tokens)", max_sequences - 1
+    if not forks:
+        return f"{size}, no room for forks"
+    if unified:
+        return f"{size}, shared with up to {forks} forks (KV-Rescue candidates)"
+    return (f"{size}: {kv_cells // max_sequences} for the sequence and for each of up to {forks} forks "
+            "(KV-Rescue candidates)")
+
+
 def _all_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -194,12 +206,11 @@ class LlamaCppBackend:
             pass
 
     def describe(self) -> str:
-        """One line: model, backend, device, KV type, layers, policy, cells and sequence ids."""
+        """One line: model, backend, device, KV type, layers, policy, and the KV cells in plain words."""
         device = f"gpu (-ngl {self.n_gpu_layers})" if gpu_offload_supported() and self.n_gpu_layers else "cpu"
         policy = self._new_policy().describe()
-        layout = "shared by" if self.unified else "in streams for"
         return (f"{self.source.name} · llamacpp · {device} · {self.threads} threads · KV f16 · {self.info.n_layer} "
-                f"layers · KV policy {policy} · {self.kv_cells} cells {layout} {self.max_sequences} sequence ids")
+                f"layers · KV policy {policy} · {cache_words(self.kv_cells, self.max_sequences, self.unified)}")
 
     def set_abort(self, should_abort: Callable[[], bool] | None) -> None:
         """Install a check llama.cpp calls during ``llama_decode``; True aborts it (BackendError).

@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.chat_template import encode_rendered, render_chat
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import HFTokenizer
 from zoomr.kvstore.base import FullKVCache
@@ -148,7 +148,7 @@ class ProcessRewardModel:
         """
         if not steps:
             raise ValueError("step_rewards needs at least one step")
-        ids = prompt_ids(self.tokenizer, self.conversation_text(question, steps))
+        ids = encode_rendered(self.tokenizer, self.conversation_text(question, steps))
         hidden = self._hidden(ids, self._new_cache(), all_positions=True)
         at_tags = torch.tensor([i for i, t in enumerate(ids) if t == self.tag_id], device=self.device)
         return self.rewards_from_hidden(hidden[at_tags]).tolist()
@@ -164,8 +164,8 @@ class ProcessRewardModel:
         """
         if not steps:
             raise ValueError("last_step_reward needs at least one step")
-        prefix = prompt_ids(self.tokenizer, self.conversation_text(question, steps[:-1]))
-        full = prompt_ids(self.tokenizer, self.conversation_text(question, steps))
+        prefix = encode_rendered(self.tokenizer, self.conversation_text(question, steps[:-1]))
+        full = encode_rendered(self.tokenizer, self.conversation_text(question, steps))
         self.last_scored_tokens = len(full)
         if full[:len(prefix)] != prefix:  # the tokenizer merged across the boundary: no reuse possible
             return self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()

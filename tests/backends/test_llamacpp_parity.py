@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.chat_template import encode_rendered, render_chat
 from zoomr.backends.llamacpp.engine import LlamaCppBackend
 from zoomr.backends.models import resolve_model
 
@@ -44,9 +44,9 @@ def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 def test_greedy_matches_torch_over_16_tokens(lc, torch_backend):
-    ids = prompt_ids(lc.tokenizer, render_chat(lc.tokenizer, [{"role": "user", "content": PROMPT}]))
-    assert ids == prompt_ids(torch_backend.tokenizer, render_chat(torch_backend.tokenizer,
-                                                                  [{"role": "user", "content": PROMPT}]))
+    ids = encode_rendered(lc.tokenizer, render_chat(lc.tokenizer, [{"role": "user", "content": PROMPT}]))
+    assert ids == encode_rendered(torch_backend.tokenizer, render_chat(torch_backend.tokenizer,
+                                                                       [{"role": "user", "content": PROMPT}]))
     ours, ours_logits = greedy(lc, ids, N_AGREE)
     ref, ref_logits = greedy(torch_backend, ids, N_AGREE)
     first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)

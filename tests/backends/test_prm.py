@@ -142,7 +142,7 @@ def test_prm_scores_a_rescue_run_from_the_cli(tiny_prm, tmp_path):
 def test_prm_scorer_reports_the_prms_kv_and_a_rescue_cell_counts_it(prm, tiny_prm, torch_backend):
     """The PRM's KV per candidate is its whole conversation up to the step tag, counted once; a bench cell adds
     it to the method's total, and best-of-N under a PRM does not use (or count) the helper."""
-    from zoomr.backends.chat_template import prompt_ids
+    from zoomr.backends.chat_template import encode_rendered
     from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, plan, rescue_warnings
     from zoomr.evaluation.datasets import Problem
     from zoomr.options import RunOptions
@@ -158,7 +158,7 @@ def test_prm_scorer_reports_the_prms_kv_and_a_rescue_cell_counts_it(prm, tiny_pr
     lengths = []
     for text in ("So 9.", "So 16 - 7 = 9 eggs are left, which is the answer."):
         scorer.score(ctx, Candidate(0, 0, "base", None, None, [], text, "stop", None))
-        lengths.append(len(prompt_ids(prm.tokenizer, prm.conversation_text(QUESTION, STEPS[:1] + [text]))))
+        lengths.append(len(encode_rendered(prm.tokenizer, prm.conversation_text(QUESTION, STEPS[:1] + [text]))))
     assert lengths[0] < lengths[1] and scorer.kv_peak_bytes == lengths[1] * prm.kv_token_bytes
     scorer.reset_kv_peak()
     assert scorer.kv_peak_bytes == 0 and scorer.label("h") == f"prm:{tiny_prm[0]}"

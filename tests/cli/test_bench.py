@@ -215,6 +215,7 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["--policies", ","], "at least one"),
     (None, ["--backend", "llamacpp"], "torch"),
     (None, ["--rescue", "--base-policy", "full"], "must evict"),
+    (None, ["--base-policy", "rkv"], "--base-policy needs --rescue"),
     (None, ["--policies", "full,streaming,rkv", "--budget", "32", "--window", "32"], "cell streaming B=32"),
     (None, ["--policies", "full,rkv", "--sink", "2"], "--sink is read by streaming only"),
     (None, ["--policies", "sumr", "--summaries", "bogus"], "cell sumr: --summaries"),

@@ -52,3 +52,60 @@ def test_chat_session_in_a_pty():
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+LEFT, UP = "\x1b[D", "\x1b[A"  # what a terminal sends for the arrow keys
+
+
+@pytest.mark.slow
+def test_chat_edits_lines_recalls_history_and_resets_stats():
+    """Arrow keys edit the line the model gets (readline), Up recalls it, /stats counts and /reset zeroes them.
+
+    The model's prompt length tells what it received: "abd", Left, "c" must prefill exactly as many tokens as
+    "abcd" typed straight (the raw escape bytes would add tokens).
+    """
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb"}
+    transcript = io.StringIO()
+    child = pexpect.spawn(sys.executable, ["-m", "zoomr", "chat", "--no-live", "-n", "4", "--temp", "0"],
+                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240, preexec_fn=sigint_default)
+    child.logfile_read = transcript
+
+    def turn(keys: str) -> tuple[int, int, int]:
+        """Send one line, then /stats: (last prefill tokens, turns, conversation prefill tokens)."""
+        child.expect_exact("> ")
+        child.send(keys + "\r")
+        child.expect_exact("> ")
+        child.sendline("/stats")
+        child.expect(r"stats: prefill (\d+) tok @.*conversation: turns (\d+), prefill (\d+) tok")
+        return tuple(int(g) for g in child.match.groups())
+
+    def reset() -> None:
+        child.expect_exact("> ")
+        child.sendline("/reset")
+        child.expect_exact("conversation reset")
+
+    try:
+        edited = turn("abd" + LEFT + "c")
+        reset()
+        assert turn("") == (0, 0, 0)        # /reset zeroed the counters (an empty line is no turn)
+        # history going back: /stats, /reset, /stats, "abcd" (empty lines are not kept)
+        recalled = turn(UP * 4)
+        reset()
+        typed = turn("abcd")
+        assert edited == recalled == typed and typed[1] == 1 and typed[0] == typed[2]
+        child.expect_exact("> ")
+        child.sendline("/help")
+        for command in ("/help", "/stats", "/reset", "/exit"):
+            child.expect_exact(command)
+        child.expect("editing: arrow keys")
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    except (pexpect.EOF, pexpect.TIMEOUT) as e:
+        child.close()
+        pytest.fail(f"chat {'exited' if isinstance(e, pexpect.EOF) else 'stalled'} (exit status {child.exitstatus}, "
+                    f"signal {child.signalstatus}) before the expected output; terminal:\n{transcript.getvalue()}",
+                    pytrace=False)
+    finally:
+        child.close()
+    assert child.exitstatus == 0

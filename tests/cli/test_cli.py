@@ -2,11 +2,20 @@
 
 import json
 import os
+import re
 import subprocess
+from importlib import metadata
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 
 import pytest
 
 from conftest import ENV, ROOT, assert_one_line_error, sigint_default, wait_for, zoomr, zoomr_cmd
+from zoomr.cli.options import gpu_layers_note
+from zoomr.options import RunOptions
 
 @pytest.mark.slow
 def test_solve_json_record(tmp_path):
@@ -43,6 +52,8 @@ def test_solve_from_stdin_prompt_too_long_for_ctx():
     (None, ["examples/problem.txt", "--backend", "vllm"], "backend"),
     (None, ["examples/problem.txt", "--json", "/nonexistent/dir/x.json"], "does not exist"),
     (None, ["-p", "   "], "empty"),
+    (None, ["examples/problem.txt", "--nb", "3"], "--nb needs --rescue"),
+    (None, ["examples/problem.txt", "--no-detector"], "--no-detector needs --rescue"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, needle):
     p = tmp_path / "input"
@@ -73,6 +84,62 @@ def test_help_lists_commands_and_llamacpp_flags():
     r = zoomr("solve", "--help")
     for flag in ("-m", "-c", "-n", "-t", "-s", "--temp", "--top-k", "--top-p", "-p", "-f", "-ngl", "--json"):
         assert flag in r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag):
+    r = zoomr(flag)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"zoomr {version}\n", "")
+    assert metadata.version("zoomr") == version  # the installed distribution's, as printed
+
+
+def _help(*command: str) -> str:
+    r = subprocess.run(zoomr_cmd() + [*command, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                       env={**ENV, "COLUMNS": "200"})  # one row per option: defaults are not wrapped away
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _default(text: str, flag: str) -> str:
+    return re.search(rf"{flag}\s.*?\[default: (.*?)\]\s*│", text).group(1)
+
+
+def test_help_has_no_type_tags_and_shows_defaults():
+    helps = {cmd: _help(cmd) for cmd in ("solve", "chat", "bench")}
+    for text in [_help(), *helps.values()]:
+        assert not re.search(r"<(bool|str|int|float|list\[\w+\])>", text), text
+    assert re.search(r"--n-predict\s+-n\s+N\s", helps["solve"]) and re.search(r"--model\s+-m\s+MODEL\s", helps["chat"])
+    assert _default(helps["solve"], "--temp") == "(0, greedy; 0.8 with --rescue)"
+    assert _default(helps["chat"], "--temp") == "0.7"
+    assert {_default(t, "--top-k") for t in helps.values()} == {"20"}  # one default across commands
+    assert _default(helps["solve"], "--n-gpu-layers") == "(-1, all)"
+
+
+@pytest.mark.parametrize("backend", ["llamacpp", "torch"])
+@pytest.mark.parametrize("ngl,given", [(99, True), (-1, True), (0, True), (-1, False)])
+def test_gpu_layers_note_only_where_ngl_does_nothing(backend, ngl, given):
+    import torch
+    from zoomr.backends.llamacpp.runtime import gpu_offload_supported
+
+    note = gpu_layers_note(RunOptions(backend=backend, n_gpu_layers=ngl), given)
+    gpu = gpu_offload_supported() if backend == "llamacpp" else torch.cuda.is_available()
+    if gpu or ngl == 0 or not given:
+        assert note is None
+    else:
+        assert note.startswith(f"-ngl {ngl} has no effect") and "\n" not in note
+
+
+@pytest.mark.slow
+def test_ngl_on_a_cpu_build_is_named_once():
+    from zoomr.backends.llamacpp.runtime import gpu_offload_supported
+
+    if gpu_offload_supported():
+        pytest.skip("this llama.cpp build offloads to a GPU: -ngl has an effect")
+    r = zoomr("solve", "-p", "1+1?", "-n", "2", "--backend", "llamacpp", "-t", "1", "-ngl", "99", "--no-live")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "no effect" in line] == \
+        ["zoomr: -ngl 99 has no effect: this llama.cpp build has no GPU offload, every layer runs on the CPU"]
 
 
 @pytest.mark.slow

@@ -54,14 +54,35 @@ def test_factory_rejects_bad_knobs_before_loading_the_model(opts, needle):
         build_backend(opts)
 
 
-def test_live_display_prints_each_zoom_event(capsys):
+@pytest.mark.parametrize("live", [True, False])
+def test_live_display_prints_each_zoom_event(capsys, live):
     bus = EventBus()
-    assert attach_live_events(bus, Output(live=True))
-    assert not attach_live_events(bus, Output(live=False)) and not attach_live_events(None, Output(live=True))
+    assert attach_live_events(bus, Output(live=live))
+    assert not attach_live_events(None, Output(live=live))
     bus.emit(RecomputeEvent("zoomr", 120, [3, 5], [1, 2, 4], {1: 2, 2: 1, 3: 9, 4: 1, 5: 7}, 16 / 20, 180, 6,
                             "paragraphs"))
-    err = capsys.readouterr().err
-    assert "zoomr @120: zoom in [3, 5] · summaries [1, 2, 4] · AG 0.80 · 180 tok active · 6 segments (paragraphs)" in err
+    captured = capsys.readouterr()
+    assert "⟲ zoomr @120: zoom in [3, 5] · summaries [1, 2, 4] · AG 0.80 · 180 tok active · 6 segments (paragraphs)" \
+        in captured.err and not captured.out
+
+
+@pytest.mark.slow
+def test_recompute_lines_only_with_verbose_and_json_dash_leaves_stdout_to_the_record():
+    """-v prints one line per recompute on stderr; --json - puts the record alone on stdout, the rest on stderr."""
+    args = ("solve", "examples/problem.txt", "--policy", "zoomr", "--window", "8", "--topk-per-head", "1",
+            "--consensus", "1", "-n", "40", "--json", "-")
+    loud = zoomr(*args, "-v", "--no-live")
+    assert loud.returncode == 0, loud.stderr
+    rec = json.loads(loud.stdout)  # nothing but the record
+    events = [line for line in loud.stderr.splitlines() if line.startswith("⟲ zoomr @")]
+    assert len(events) == rec["kv"]["recomputes"] >= 1
+    text = " ".join(line for line in loud.stderr.splitlines() if not line.startswith("⟲"))  # the events cut in
+    assert " ".join(rec["text"].split()) in " ".join(text.split())
+    assert "answer:" in loud.stderr and "KV policy zoomr" in loud.stderr
+    quiet = zoomr(*args)  # the live view, piped
+    assert quiet.returncode == 0, quiet.stderr
+    assert "⟲" not in quiet.stderr and "KV policy zoomr" in quiet.stderr
+    assert json.loads(quiet.stdout)["text"] == rec["text"]  # greedy: -v changes what is shown, not the run
 
 
 def test_policy_line_and_prompted_system_text():

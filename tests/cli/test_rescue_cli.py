@@ -3,6 +3,7 @@
 Runs use one thread (``-t 1``): on a shared 2-core machine two spinning threads are several times slower.
 """
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from conftest import ENV, assert_one_line_error, zoomr
 from zoomr.errors import UserError
 from zoomr.options import RunOptions
 from zoomr.rescue.plan import RescueOptions, plan_rescue
+from zoomr.cli.rescue_options import needs_rescue
 
 # GSM8K test #1199: long enough (~230 prompt tokens) that the base evicts from its prompt on
 PROBLEM = ("Fred was preparing for a party to be held in four days.  So, he made 24 gallons of root beer on the first "
@@ -50,18 +52,20 @@ def check_record(rec: dict, steps_max: int, step_tokens: int, kv_bound: int) -> 
     ("llamacpp", "streaming", 24, 32 + STREAMING_BUFFER),            # llama.cpp streaming: B + its eviction buffer
 ])
 def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
-    out = tmp_path / "run.json"
+    # the llama.cpp run writes its record to stdout (--json -): the steps and results then go to stderr
+    out = tmp_path / "run.json" if backend == "torch" else "-"
     r = zoomr("solve", "-p", PROBLEM, "--rescue", "--backend", backend, "--budget", "32", "-t", "1",
               "--max-steps", "3", "--step-tokens", str(step_tokens), "--nb", "2", "--nh", "1",
               "--no-live", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    rec = json.loads(out.read_text())
+    rec = json.loads(r.stdout if out == "-" else out.read_text())
+    shown = r.stderr if out == "-" else r.stdout
     assert rec["settings"]["base_policy"] == policy and f"KV policy {policy}" in rec["base"]
     check_record(rec, 3, step_tokens, bound)
     # the plain view printed every committed step, the summary lines name sources and tokens
     for i, st in enumerate(rec["steps"]):
-        assert f"[step {i + 1} · {st['source']} · score {st['score']:.3f}" in r.stdout
-    assert f"generated base {rec['base_tokens']} tok" in r.stdout and "answer:" in r.stdout
+        assert f"[step {i + 1} · {st['source']} · score {st['score']:.3f}" in shown
+    assert f"generated base {rec['base_tokens']} tok" in shown and "answer:" in shown
 
 
 @pytest.mark.slow
@@ -108,6 +112,19 @@ def test_flags_are_checked_before_any_model_loads(ropts, opts, needle):
     with pytest.raises((UserError, ValueError)) as e:
         plan_rescue(ropts, opts)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_rescue_flag_without_rescue_is_refused_by_name():
+    values = {"base_policy": "rkv", "helper": "m", "prm": "p", "abort_entropy": 1.0, "abort_gzip": 0.1,
+              "detector": True, "preset": "paper"}
+    for name in (f.name for f in dataclasses.fields(RescueOptions) if f.name != "rescue"):
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(UserError, match=f"^{flag} needs --rescue$"):
+            needs_rescue(RescueOptions(**{name: values.get(name, 1)}))
+        assert needs_rescue(RescueOptions(rescue=True, **{name: values.get(name, 1)})).rescue
+    with pytest.raises(UserError, match="^--no-detector needs --rescue$"):
+        needs_rescue(RescueOptions(detector=False))
+    assert needs_rescue(RescueOptions()) == RescueOptions()
 
 
 def test_plan_defaults_and_backend_choice():

@@ -64,7 +64,7 @@ def test_shipped_table_and_derived_lists():
     assert flags["window"].default is None            # the readers differ: each keeps its own
     assert (flags["budget"].default, flags["sink"].default, flags["summaries"].default) == (64, 4, "auto")
     assert flags["sink"].readers == ("streaming",) and flags["topk_per_head"].flag == "--topk-per-head"
-    with pytest.raises(ValueError, match="full has no --budget knob"):
+    with pytest.raises(TypeError, match="full has no knob 'budget'"):
         PolicySpec("full", 16).build()  # a knob is its policy's: no flat bag
     with pytest.raises(ValueError, match=r"--policy h2o needs accumulated attention scores.* supports full, "
                                          r"streaming, sumr \(use --backend torch for h2o\)"):

@@ -11,7 +11,6 @@ import pytest
 import torch
 from rich.console import Console
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
 from zoomr.backends.models import resolve_model
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.backends.torch.engine import TorchBackend
@@ -27,7 +26,7 @@ from zoomr.rescue.plan import RescueOptions
 from zoomr.rescue.transcript import Transcript
 from zoomr.cli.rescue_view import LiveView
 from zoomr.rescue.scorers import HelperLikelihoodScorer
-from zoomr.prompts import solve_messages, solve_prompt
+from zoomr.prompts import solve_prompt
 
 QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
             "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
@@ -76,7 +75,7 @@ def resident(backend: TorchBackend, seq) -> int:
 
 
 def prompt(backend) -> list[int]:
-    return prompt_ids(backend.tokenizer, render_chat(backend.tokenizer, solve_messages(QUESTION)))
+    return solve_prompt(backend.tokenizer, QUESTION)
 
 
 class FavouringSource:

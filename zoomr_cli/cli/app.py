@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from importlib import metadata
+from typing import Annotated
 
 import typer
+import typer.main
 
 from zoomr.cli.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, fail
+from zoomr.cli.help import plain_metavars
 from zoomr.errors import UserError
 
 
@@ -35,6 +39,30 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's ``zoomr.__version__`` when not installed)."""
+    try:
+        return metadata.version("zoomr")
+    except metadata.PackageNotFoundError:
+        from zoomr import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"zoomr {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[bool, typer.Option("-V", "--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit.")] = False,
+) -> None:
+    """Long reasoning under a fixed KV-cache budget: solve, chat and benchmark KV policies."""
 
 
 class Interrupted(Exception):
@@ -69,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     _register()
     try:
-        rv = app(args=argv, prog_name="zoomr", standalone_mode=False)
+        command = typer.main.get_command(app)
+        plain_metavars(command)
+        rv = command(args=argv, prog_name="zoomr", standalone_mode=False)
     except _ABORT:
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -403,4 +403,5 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
             + ", ".join(str(p) for p in plots))
 
 
-bench_command = model_options(exclude=("budget", "policy"), n_predict=256, top_k=20)(rescue_options(bench))
+bench_command = model_options(exclude=("budget", "policy"), n_predict=256,
+                              shown={"temp": "0, greedy; 0.8 in --rescue cells"})(rescue_options(bench))

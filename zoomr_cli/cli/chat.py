@@ -3,15 +3,18 @@
 Each turn prefills only the new text: the conversation is rendered with the chat template, and the
 part after what the cache already holds (decoded from the cached ids) is tokenized and prefilled.
 When the template rewrote earlier turns, the sequence is rebuilt from scratch (said in /stats).
+On a terminal the line is read with the stdlib ``readline`` (arrow keys edit it, Up/Down recall earlier
+lines); the history lives in memory only, so nothing typed into a chat is written to disk.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Optional
 
 import typer
 
-from zoomr.backends.chat_template import prompt_ids, render_chat
+from zoomr.backends.chat_template import encode_rendered, render_chat
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
@@ -20,7 +23,37 @@ from zoomr.options import RunOptions
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, stats_line
 
-HELP = "commands: /stats (KV and speed), /reset (forget the conversation), /exit (or Ctrl-D)"
+COMMANDS = {
+    "/help": "this list",
+    "/stats": "last answer's speed and KV, and this conversation's turns and tokens",
+    "/reset": "forget the conversation: free its KV cache and zero the /stats counters",
+    "/exit": "quit (also /quit or Ctrl-D); Ctrl-C stops an answer",
+}
+HELP = "commands: " + ", ".join(COMMANDS) + " (or Ctrl-D)"
+
+
+def help_text(editing: bool) -> str:
+    """The /help listing: one line per command, then how lines are edited."""
+    lines = [f"{name:<7} {what}" for name, what in COMMANDS.items()]
+    lines.append("editing: arrow keys, Home/End, Up/Down for earlier lines (kept in memory, not on disk)" if editing
+                 else "editing: none (stdin is not a terminal, or Python has no readline)")
+    return "\n".join(lines)
+
+
+def line_editing() -> bool:
+    """Turn on line editing and in-memory history for ``input()`` when stdin is a terminal.
+
+    Importing the stdlib ``readline`` is what makes ``input()`` edit lines; without it the terminal
+    hands arrow keys to the program as escape bytes (``^[[D``), which would reach the model.
+    Returns whether editing is on (False for pipes, or where Python was built without readline).
+    """
+    if not sys.stdin.isatty():
+        return False
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class ChatSession:
@@ -29,20 +62,24 @@ class ChatSession:
     Attributes:
         messages: the conversation so far ([{"role", "content"}]).
         rebuilds: times the cache had to be rebuilt because the template changed earlier text.
+        last: the last answer's generation statistics.
+        total: the conversation's sums: tokens prefilled and generated, seconds, decode steps.
     """
 
     def __init__(self, backend, sampler: Sampler, n_predict: int, system: str | None):
         self.backend, self.sampler, self.n_predict, self.system = backend, sampler, n_predict, system
-        self.rebuilds = 0
-        self.last = GenerationStats()
+        self.seq = None
         self.reset()
 
     def reset(self) -> None:
-        """Forget the conversation and free its KV cache."""
-        if getattr(self, "seq", None) is not None:
+        """Forget the conversation, free its KV cache and zero the counters /stats shows."""
+        if self.seq is not None:
             self.backend.free(self.seq)
         self.seq = self.backend.new_sequence()
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.rebuilds = 0
+        self.last = GenerationStats()
+        self.total = GenerationStats()
 
     def _new_tokens(self, user_text: str) -> list[int]:
         tok = self.backend.tokenizer
@@ -55,7 +92,7 @@ class ChatSession:
             self.rebuilds += 1
             self.backend.free(self.seq)
             self.seq = self.backend.new_sequence()
-        return prompt_ids(tok, text)
+        return encode_rendered(tok, text)
 
     def ask(self, user_text: str, out: Output) -> GenerationStats:
         """Answer one user turn, streaming to ``out``; Ctrl-C keeps the partial answer in the conversation.
@@ -78,14 +115,26 @@ class ChatSession:
             if self.messages and self.messages[-1]["role"] == "user":
                 self.messages.append({"role": "assistant", "content": gen.text})
             self.last = gen
+            self._add(gen)
         out.token("\n")
         return gen
 
+    def _add(self, gen: GenerationStats) -> None:
+        t = self.total
+        t.prompt_tokens += gen.prompt_tokens
+        t.generated_tokens += gen.generated_tokens
+        t.prefill_s += gen.prefill_s
+        t.decode_s += gen.decode_s
+        t.decode_steps += gen.decode_steps
+
     def stats(self) -> str:
-        """The /stats line: last turn's speed, the cache's KV accounting, turns and rebuilds."""
+        """The /stats line: last answer's speed, the cache's KV accounting, then since the start or /reset:
+        turns, tokens prefilled and generated, mean decode speed, cache rebuilds."""
         kv = self.backend.kv_stats(self.seq)
         turns = sum(m["role"] == "user" for m in self.messages)
-        return f"{stats_line(self.last, kv)} · turns {turns} · cache rebuilds {self.rebuilds}"
+        t = self.total
+        return (f"{stats_line(self.last, kv)} · conversation: turns {turns}, prefill {t.prompt_tokens} tok, "
+                f"decode {t.generated_tokens} tok @ {t.decode_tok_s:.1f} tok/s · cache rebuilds {self.rebuilds}")
 
 
 def chat(
@@ -94,17 +143,18 @@ def chat(
     *,
     opts: RunOptions,
 ) -> int:
-    """Chat interactively; the conversation stays in the KV cache. /stats, /reset, /exit; Ctrl-C stops an answer."""
+    """Chat interactively; the conversation stays in the KV cache. /help, /stats, /reset, /exit; Ctrl-C stops an answer."""
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())
+    editing = line_editing()
     out.info(HELP)
     session = ChatSession(backend, sampler, opts.n_predict, system)
     while True:
         try:
-            if not _handle(input("> ").strip(), session, out):
+            if not _handle(input("> ").strip(), session, out, editing):
                 return 0
         except EOFError:
             out.token("\n")
@@ -114,13 +164,15 @@ def chat(
             out.info("(Ctrl-D or /exit to quit)")
 
 
-def _handle(line: str, session: ChatSession, out: Output) -> bool:
+def _handle(line: str, session: ChatSession, out: Output, editing: bool) -> bool:
     """Run one REPL line; False means exit."""
     if not line:
         return True
     if line in ("/exit", "/quit"):
         return False
-    if line == "/stats":
+    if line == "/help":
+        out.info(help_text(editing))
+    elif line == "/stats":
         out.result("stats", session.stats(), style="dim")
     elif line == "/reset":
         session.reset()
@@ -135,4 +187,4 @@ def _handle(line: str, session: ChatSession, out: Output) -> bool:
     return True
 
 
-chat_command = model_options(exclude=("ignore_eos",), n_predict=256)(chat)
+chat_command = model_options(exclude=("ignore_eos",), n_predict=256, temp=0.7)(chat)

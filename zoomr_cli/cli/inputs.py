@@ -1,7 +1,8 @@
-"""Reading user-provided text (problem files, stdin) with clear failures."""
+"""Reading user-provided text (problem files, stdin) and writing ``--json`` records, with clear failures."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -42,13 +43,26 @@ def read_text_input(path: str) -> str:
 def check_writable(path: str | None) -> None:
     """Fail early, before any compute, when ``--json PATH`` cannot be written.
 
+    ``-`` is stdout (always writable).
+
     Raises:
         UserError: the parent directory does not exist or PATH is a directory.
     """
-    if path is None:
+    if path is None or path == "-":
         return
     p = Path(path)
     if p.is_dir():
         raise UserError(f"--json {path}: is a directory")
     if not p.parent.exists():
         raise UserError(f"--json {path}: directory {p.parent} does not exist")
+
+
+def write_json(path: str, record: dict, indent: int) -> str:
+    """Write ``record`` as JSON to ``path`` (``-``: stdout, the only thing written there); returns where, in words."""
+    text = json.dumps(record, indent=indent, ensure_ascii=False)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return "stdout"
+    Path(path).write_text(text)
+    return path

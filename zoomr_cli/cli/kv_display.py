@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.markup import escape
 
 from zoomr.backends.base import KVStats
@@ -11,16 +13,20 @@ from zoomr.cli.render import mib
 
 
 def attach_live_events(bus: EventBus | None, out) -> bool:
-    """Print every recompute event as its own dim line on stderr while tokens stream (live mode only).
+    """Print every recompute event as its own line on stderr while tokens stream (``solve -v``).
 
-    Returns True when a display was attached.
+    Returns True when a display was attached (False: the backend has no event bus).
     """
-    if bus is None or not out.live:
+    if bus is None:
         return False
 
     def show(ev: RecomputeEvent) -> None:
-        # the token stream is mid-line on the same terminal: start the event on a line of its own
-        out.err.print(f"\n[dim cyan]⟲ {escape(ev.describe())}[/dim cyan]")
+        # the token stream is mid-line on the same terminal (or on stderr too, with --json -): the event
+        # starts a line of its own
+        if out.live:
+            out.err.print(f"\n[dim cyan]⟲ {escape(ev.describe())}[/dim cyan]")
+        else:
+            print(f"\n⟲ {ev.describe()}", file=sys.stderr, flush=True)
 
     bus.subscribe(show)
     return True

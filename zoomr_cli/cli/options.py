@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
+import sys
 import typing
 from dataclasses import fields
 from typing import Annotated, Optional
@@ -33,8 +35,10 @@ _OPTION_DECLS = {
                                     rich_help_panel=PANEL_MODEL)),
     "threads": (Optional[int], typer.Option("-t", "--threads", help="CPU threads (default: all cores).",
                                             rich_help_panel=PANEL_MODEL)),
-    "n_gpu_layers": (int, typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the GPU "
-                                       "(-1 all); torch: 0 forces the CPU.", rich_help_panel=PANEL_MODEL)),
+    # None on the command line = not given (RunOptions' -1), so that a -ngl without effect can be named
+    "n_gpu_layers": (Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the "
+                                                 "GPU; torch: 0 forces the CPU.", show_default="-1, all",
+                                                 rich_help_panel=PANEL_MODEL)),
     "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
                                  rich_help_panel=PANEL_MODEL)),
     "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16), fp32, "
@@ -65,34 +69,72 @@ def knob_options() -> dict:
     return {name: knob_option(k) for name, k in knob_flags().items()}
 
 
-def model_options(exclude: tuple[str, ...] = (), **defaults):
+def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = None, **defaults):
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
+
+    The policy knobs are generated from the policy registry (:func:`knob_options`); ``opts.knobs`` holds
+    those given.
 
     Args:
         exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
             they keep RunOptions' defaults in ``opts`` (an excluded knob is not given).
+        shown: what ``--help`` gives as the default of options the command resolves itself when they are
+            not given (``--temp``: None in RunOptions, the command's own temperature), by option name.
         defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
     """
     base = {f.name: f.default for f in fields(RunOptions) if f.name != "knobs"}
     base.update(defaults)
     decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
+    for name, text in (shown or {}).items():
+        typ, opt = decls[name]
+        opt = copy.copy(opt)  # the declaration is shared by every command
+        opt.show_default = text
+        decls[name] = (typ, opt)
     knobs = {k: v for k, v in knob_options().items() if k not in exclude}
     clash = sorted(set(knobs) & set(base))
     if clash:
         raise TypeError(f"policy knob {clash[0]!r} has the name of a run option; rename the knob")
-
     knob_defaults = {name: k.default for name, k in knob_flags().items() if name in knobs}
 
     def build(values: dict) -> RunOptions:
+        given = values.get("n_gpu_layers") is not None
+        if not given:
+            values["n_gpu_layers"] = base["n_gpu_layers"]
         # a knob at its readers' common default is each reader's default anyway: not given
-        given = {k: values.pop(k) for k in knobs}
-        return RunOptions(**values, **{name: base[name] for name in exclude if name in base},
-                          knobs={k: v for k, v in given.items() if v is not None and v != knob_defaults[k]})
+        knob_values = {k: values.pop(k) for k in knobs}
+        opts = RunOptions(**values, **{name: base[name] for name in exclude if name in base},
+                          knobs={k: v for k, v in knob_values.items() if v is not None and v != knob_defaults[k]})
+        note = gpu_layers_note(opts, given)
+        if note:
+            print(f"zoomr: {note}", file=sys.stderr)
+        return opts
 
     def wrap(fn):
-        return grouped_options(fn, "opts", {**decls, **knobs}, {**base, **knob_defaults}, build)
+        return grouped_options(fn, "opts", {**decls, **knobs}, {**base, "n_gpu_layers": None, **knob_defaults}, build)
 
     return wrap
+
+
+def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
+    """The line saying that ``-ngl`` has no effect here (None when it has one, or was not given).
+
+    ``-ngl N`` (N != 0) moves layers to a GPU only on a llama.cpp build with GPU offload, or for torch
+    where CUDA is present; elsewhere the run is on the CPU whatever N says. ``given``: the user set it.
+    """
+    if not given or opts.n_gpu_layers == 0:
+        return None
+    flag = f"-ngl {opts.n_gpu_layers}"
+    if opts.backend == "llamacpp":
+        from zoomr.backends.llamacpp.runtime import gpu_offload_supported
+
+        if not gpu_offload_supported():
+            return f"{flag} has no effect: this llama.cpp build has no GPU offload, every layer runs on the CPU"
+    elif opts.backend == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"{flag} has no effect: torch finds no CUDA device, the model runs on the CPU"
+    return None
 
 
 def grouped_options(fn, param: str, decls: dict, defaults: dict, build):

@@ -30,11 +30,14 @@ class Output:
 
     Args:
         live: stream with rich styling; False writes plain text only (for pipes and CI).
+        stdout_free: send the model's text and results to stderr as well, leaving stdout to one
+            machine-readable record (``--json -``), as ``curl -o -`` keeps its progress off stdout.
     """
 
-    def __init__(self, live: bool):
+    def __init__(self, live: bool, stdout_free: bool = False):
         self.live = live
-        self.out = Console(highlight=False, soft_wrap=True)
+        self._text = sys.stderr if stdout_free else sys.stdout
+        self.out = Console(stderr=stdout_free, highlight=False, soft_wrap=True)
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
 
     def token(self, delta: str) -> None:
@@ -42,8 +45,8 @@ class Output:
         if self.live:
             self.out.print(delta, end="", markup=False)
         else:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+            self._text.write(delta)
+            self._text.flush()
 
     def info(self, text: str) -> None:
         """A progress/status line on stderr."""
@@ -53,12 +56,12 @@ class Output:
             print(text, file=sys.stderr)
 
     def result(self, label: str, value: str, style: str = "bold green") -> None:
-        """A ``label: value`` result line on stdout."""
+        """A ``label: value`` result line on stdout (stderr when ``stdout_free``)."""
         if self.live:
             self.out.print(f"[{style}]{label}:[/{style}] ", end="")
             self.out.print(value, markup=False)
         else:
-            print(f"{label}: {value}")
+            print(f"{label}: {value}", file=self._text)
 
     def status(self, text: str):
         """A spinner context on stderr while something slow runs (no-op when not live)."""

@@ -8,15 +8,14 @@ answer and statistics and writes the JSON record — also after Ctrl-C (exit 130
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
-from pathlib import Path
 
 from zoomr.backends.sampling import Sampler
 
 from zoomr.factory import build_backend
 from zoomr.prompts import solve_prompt, system_with_summaries
 from zoomr.options import RunOptions
+from zoomr.cli.inputs import write_json
 from zoomr.cli.render import Output, mib
 from zoomr.rescue.runner import build_helper, rescue_once
 from zoomr.rescue.plan import RescueOptions, for_flag, plan_rescue
@@ -106,9 +105,9 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     summary = transcript.summary()
     print_summary(out, summary)
     if json_path:
-        Path(json_path).write_text(json.dumps(transcript.record(problem), indent=1, ensure_ascii=False))
-        out.info(f"wrote {json_path}")
+        where = write_json(json_path, transcript.record(problem), indent=1)
+        out.info(f"wrote {where}")
     if reason == "interrupted":
-        out.info("interrupted: committed steps kept above" + (f" and in {json_path}" if json_path else ""))
+        out.info("interrupted: committed steps kept above" + (f" and in {where}" if json_path else ""))
         return 130
     return 0

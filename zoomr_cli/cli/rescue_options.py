@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from zoomr.errors import UserError
 from zoomr.kvstore.registry import evicting
 from zoomr.rescue.plan import RescueOptions
 
@@ -51,4 +52,19 @@ def rescue_options(fn):
     Stack it under :func:`zoomr.cli.options.model_options` (which supplies ``opts``).
     """
     defaults = {name: getattr(RescueOptions(), name) for name in _DECLS}
-    return grouped_options(fn, "rescue", _DECLS, defaults, lambda values: RescueOptions(**values))
+    return grouped_options(fn, "rescue", _DECLS, defaults, lambda values: needs_rescue(RescueOptions(**values)))
+
+
+def needs_rescue(ropts: RescueOptions) -> RescueOptions:
+    """``ropts`` unchanged when its flags make sense together.
+
+    Raises:
+        UserError: a KV-Rescue flag given without ``--rescue`` (it would silently do nothing).
+    """
+    if not ropts.rescue:
+        for name in _DECLS:
+            value = getattr(ropts, name)
+            if name != "rescue" and value is not None:
+                flag = "--no-detector" if value is False else "--" + name.replace("_", "-")
+                raise UserError(f"{flag} needs --rescue")
+    return ropts

@@ -1,18 +1,29 @@
-"""Running KV-Rescue over loaded models: the helper built beside the base, one loop run with its transcript."""
+"""Running KV-Rescue over loaded models: the helper built beside the base, one loop run with its transcript.
+
+:func:`run_rescue` is the library's entry point (``zoomr.run_rescue``); :func:`rescue_once` is what it, the
+CLI and the bench cells share.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
+from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
-from zoomr.backends.sampling import Sampler
+from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.factory import build_backend
 from zoomr.options import RunOptions
+from zoomr.prompts import solve_prompt
 
-from .events import EventStream
+from .events import Event, EventStream
 from .loop import RescueConfig, RescueLoop
 from .engine import Engine
+from .scorers import HelperLikelihoodScorer, Scorer
 from .transcript import Transcript
+
+# candidate sampling of the KV-Rescue paper ("Implementation details"): T 0.8, top-p 0.95, top-k 20
+PAPER_SAMPLING = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=0)
 
 
 def build_helper(base, helper_opts: RunOptions):
@@ -47,3 +58,43 @@ def rescue_once(base, helper, scorer, sampler: Sampler, config: RescueConfig, qu
     finally:
         loop.close()
     return reason, transcript
+
+
+def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, scorer: Scorer | None = None,
+               config: RescueConfig | None = None, sampling: SamplingParams | None = None,
+               system: str | None = None, on_event: Callable[[Event], None] | None = None,
+               stop_requested: Callable[[], bool] = lambda: False) -> Transcript:
+    """Solve ``problem`` with KV-Rescue: the evicting ``base`` and a full-KV ``helper`` propose each step,
+    ``scorer`` commits the best (KV-Rescue, arXiv:2608.15797, "Stepwise interleaving").
+
+    Args:
+        base: the evicting model (``zoomr.load(policy="rkv", budget=...)``).
+        helper: the full-KV model; None = the base's own weights with full KV (torch backend only).
+        scorer: see :mod:`zoomr.rescue.scorers`; None = the helper's mean log-likelihood (a fallback,
+            not a process reward).
+        config: counts and limits (:class:`RescueConfig`); None = its defaults with ``max_context`` the
+            smaller of the two models' ``n_ctx`` (tokens).
+        sampling: candidate sampling; None = the paper's T 0.8, top-k 20, top-p 0.95, seed 0.
+        system: a system message for both models' prompts (:func:`zoomr.prompts.solve_prompt`).
+        on_event: called with every :class:`zoomr.rescue.events.Event` as it happens, on this thread
+            (``event.kind``: ``candidate_started``, ``token``, ``candidate_aborted``, ``step_committed`` ...).
+        stop_requested: polled before every sampled token; True ends the run as Ctrl-C does.
+    Returns:
+        the :class:`Transcript`: ``summary()`` (answer, stop_reason, steps, tokens, KV), ``record(problem)``
+        (the ``--json`` document) and ``events``.
+    Raises:
+        ValueError: no helper given for a base that cannot share its weights, a prompt longer than
+            ``config.max_context``, invalid counts or sampling values.
+    """
+    if helper is None:
+        with_full_kv = getattr(base, "with_cache_factory", None)
+        if with_full_kv is None:
+            raise ValueError(f"run_rescue: give a helper (the {base.name} backend cannot share its weights)")
+        helper = with_full_kv(None)
+    config = (config or RescueConfig(max_context=min(base.n_ctx, helper.n_ctx))).validate()
+    sampler = Sampler(sampling or PAPER_SAMPLING)
+    base_ids, helper_ids = solve_prompt(base.tokenizer, problem, system), solve_prompt(helper.tokenizer, problem, system)
+    _, transcript = rescue_once(base, helper, scorer or HelperLikelihoodScorer(), sampler, config, problem,
+                                base_ids, helper_ids, {"sampling": dataclasses.asdict(sampler.params)},
+                                observers=(on_event,) if on_event else (), stop_requested=stop_requested)
+    return transcript

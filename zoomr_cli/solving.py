@@ -1,0 +1,124 @@
+"""Solving one problem on a loaded model: prompt → prefill → streamed decode → the \\boxed{} answer and KV stats.
+
+What ``zoomr solve`` runs (the command only parses flags and renders a :class:`SolveResult`); the JSON
+record of ``--json`` is :meth:`SolveResult.record`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from zoomr.backends.base import Backend, KVStats
+from zoomr.backends.generation import GenerationStats, generate
+from zoomr.backends.sampling import Sampler, SamplingParams
+from zoomr.errors import UserError
+from zoomr.grading import extract_answer
+from zoomr.prompts import solve_prompt
+
+# generation that ended before the model chose to stop: a \boxed{} still open then is no answer
+TRUNCATED = ("length", "context", "interrupted")
+
+
+@dataclass
+class SolveResult:
+    """One solved problem.
+
+    Attributes:
+        problem: the problem text as given.
+        answer: the last closed ``\\boxed{}`` of the text, else the "the answer is …" expression; None when
+            there is neither (see :func:`zoomr.grading.extract_answer`).
+        stats: what generation did (tokens, seconds, the generated ids and text, the stop reason).
+        kv: KV accounting of the sequence at the end (tokens, bytes; see :class:`zoomr.kvstore.stats.KVStats`).
+        model: ``backend.describe()``: model, backend, device, dtype, KV policy.
+        sampling: the sampling settings used.
+    """
+
+    problem: str
+    answer: str | None
+    stats: GenerationStats
+    kv: KVStats
+    model: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def text(self) -> str:
+        """The generated text (the model's reasoning and answer)."""
+        return self.stats.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated token ids, EOS excluded (tokens)."""
+        return self.stats.token_ids
+
+    @property
+    def stop_reason(self) -> str:
+        """``eos``, ``length`` (``n_predict`` reached), ``context`` (the backend's ``n_ctx`` reached) or
+        ``interrupted`` (Ctrl-C)."""
+        return self.stats.stop_reason
+
+    def record(self) -> dict:
+        """The JSON-ready record ``zoomr solve --json`` writes: problem, text, answer, token counts, stop
+        reason, model, sampling, ``kv`` (:meth:`KVStats.as_dict`) and ``timing`` (seconds, tokens/second)."""
+        g = self.stats
+        return {
+            "problem": self.problem,
+            "text": g.text,
+            "answer": self.answer,
+            "tokens_generated": g.generated_tokens,
+            "prompt_tokens": g.prompt_tokens,
+            "stop_reason": g.stop_reason,
+            "model": self.model,
+            "sampling": asdict(self.sampling),
+            "kv": self.kv.as_dict(),
+            "timing": {"prefill_s": round(g.prefill_s, 4), "decode_s": round(g.decode_s, 4),
+                       "prefill_tok_s": round(g.prefill_tok_s, 2), "decode_tok_s": round(g.decode_tok_s, 2)},
+        }
+
+
+def solve(backend: Backend, problem: str, *, system: str | None = None, sampling: SamplingParams | None = None,
+          n_predict: int = 512, ignore_eos: bool = False,
+          on_token: Callable[[str], None] | None = None) -> SolveResult:
+    """Reason step by step on ``problem`` in a fresh sequence of ``backend`` and extract the answer.
+
+    The prompt is :func:`zoomr.prompts.solve_prompt` (the problem + "put your final answer within
+    \\boxed{}", in the model's chat template). The KV policy is the backend's own (``zoomr.load(...,
+    policy=...)``); its sequence is freed before returning, after its :class:`KVStats` were read.
+    Ctrl-C (KeyboardInterrupt) during generation ends it early: the result holds what was generated,
+    with ``stop_reason`` ``interrupted``.
+
+    Args:
+        backend: a loaded model (:func:`zoomr.load`).
+        problem: the problem text (no template).
+        system: the system message, sent as given (``--summaries prompted`` under sumr/zoomr expects
+            :func:`zoomr.prompts.system_with_summaries` applied first).
+        sampling: temperature, top-k, top-p, seed; default greedy (temperature 0).
+        n_predict: most tokens to generate (tokens); -1 = until EOS or the context is full.
+        ignore_eos: never sample end-of-sequence, so exactly ``n_predict`` tokens come (llama.cpp's flag).
+        on_token: called with each token's text as it is generated (may be ``""`` mid UTF-8 character).
+    Returns:
+        the :class:`SolveResult`.
+    Raises:
+        UserError: the prompt does not fit the backend's context (``n_ctx`` tokens).
+        ValueError: invalid sampling values.
+        zoomr.backends.base.BackendError: the model runtime failed.
+    """
+    params = (sampling or SamplingParams()).validate()
+    sampler = Sampler(params)
+    ids = solve_prompt(backend.tokenizer, problem, system)
+    if len(ids) >= backend.n_ctx:
+        raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
+    gen = GenerationStats()
+    seq = backend.new_sequence()
+    try:
+        try:
+            for tok in generate(backend, seq, ids, sampler, n_predict, gen, ignore_eos=ignore_eos):
+                if on_token is not None:
+                    on_token(tok.text)
+        except KeyboardInterrupt:
+            gen.stop_reason = "interrupted"
+        kv = backend.kv_stats(seq)
+    finally:
+        backend.free(seq)
+    answer = extract_answer(gen.text, truncated=gen.stop_reason in TRUNCATED)
+    return SolveResult(problem, answer, gen, kv, backend.describe(), params)
