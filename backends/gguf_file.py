@@ -196,7 +196,7 @@ def _parse(cur: _Cursor) -> GGUFHeader:
     head = GGUFHeader(cur.path, version, file_size=cur.size)
     for i in range(n_kv):
         key = cur.string(f"metadata key #{i}", MAX_KEY_BYTES)
-        shown = _shown(key)
+        shown = shown_name(key)
         if key in head.fields:
             raise cur.fail(f"GGUF metadata key {shown!r} appears twice")
         vtype = cur.scalar("I", f"type of {shown}")
@@ -208,9 +208,9 @@ def _parse(cur: _Cursor) -> GGUFHeader:
     for i in range(n_tensors):
         name = cur.string(f"name of tensor #{i}", MAX_KEY_BYTES)
         if name in names:
-            raise cur.fail(f"tensor {_shown(name)} appears twice")
+            raise cur.fail(f"tensor {shown_name(name)} appears twice")
         names.add(name)
-        name_shown = _shown(name)
+        name_shown = shown_name(name)
         n_dims = cur.scalar("I", f"dimension count of {name_shown}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise cur.fail(f"tensor {name_shown} has {n_dims} dimensions (ggml allows 1 to {MAX_DIMS})")
@@ -224,7 +224,7 @@ def _parse(cur: _Cursor) -> GGUFHeader:
     return head
 
 
-def _shown(name: str, limit: int = 80) -> str:
+def shown_name(name: str, limit: int = 80) -> str:
     """A key or tensor name as messages show it: names may be 64 KiB long and hold control characters
     (a newline), one error line may not."""
     if not name.isprintable():
@@ -272,7 +272,7 @@ def _alignment(cur: _Cursor, head: GGUFHeader) -> int:
 
 def _tensor(cur: _Cursor, name: str, ne: tuple, raw_type: int, rel: int, data_start: int,
             alignment: int) -> TensorInfo:
-    info_name, name = name, _shown(name)
+    info_name, name = name, shown_name(name)
     try:
         qtype = GGMLQuantizationType(raw_type)
         block, type_size = GGML_QUANT_SIZES[qtype]
@@ -347,7 +347,7 @@ def check_metadata(head: GGUFHeader) -> None:
     _check_llamacpp_asserts(head, arch, fail)
     scaling = head.get(f"{arch}.rope.scaling.type")
     if scaling is not None and scaling not in ROPE_SCALING_TYPES:
-        raise fail(f"GGUF metadata {_shown(arch)}.rope.scaling.type is {short_repr(scaling)} "
+        raise fail(f"GGUF metadata {shown_name(arch)}.rope.scaling.type is {short_repr(scaling)} "
                    f"(known: {', '.join(ROPE_SCALING_TYPES)})")
     if arch not in CHECKED_ARCHS:
         return
@@ -375,7 +375,7 @@ def check_metadata(head: GGUFHeader) -> None:
 def _check_llamacpp_asserts(head: GGUFHeader, arch: str, fail) -> None:
     """Values llama.cpp's ``load_hparams`` checks with GGML_ASSERT, which aborts the whole process:
     the block count, and how many experts are used against how many there are."""
-    a = _shown(arch)
+    a = shown_name(arch)
     n_layers = head.get(f"{arch}.block_count")
     if n_layers is not None and (head.types[f"{arch}.block_count"] not in INT_TYPES
                                  or not 1 <= n_layers <= MAX_LAYERS):

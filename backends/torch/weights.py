@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from zoomr.backends.gguf_file import (PER_LAYER_KEYS, ROPE_BASE_DEFAULTS, GGUFArray, GGUFHeader, check_gguf,
-                                      gguf_float, gguf_int)
+                                      gguf_float, gguf_int, shown_name)
 from zoomr.backends.models import ModelLoadError, short_repr
 
 from .config import SUPPORTED_ARCHS, ModelConfig
@@ -176,7 +176,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
     named = {}
     for t in head.tensors:
         if t.name not in to_hf:  # llama.cpp refuses a file with tensors its architecture does not have, too
-            raise ModelLoadError(f"{path}: tensor {t.name} is not part of a {cfg.arch} model")
+            raise ModelLoadError(f"{path}: tensor {shown_name(t.name)} is not part of a {cfg.arch} model")
         named[to_hf[t.name]] = t
     check_shapes(cfg, {n: t.shape for n, t in named.items()}, str(path), file_names={hf: g for g, hf in to_hf.items()})
     for qtype in {t.ggml_type for t in named.values()}:
@@ -301,7 +301,7 @@ def _safetensors_index(path: Path) -> dict[str, tuple[Path, list[int], str]]:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         for k, shape, dtype in entries:
             if k in index:
-                raise ModelLoadError(f"{f}: tensor {k} is also in {index[k][0].name}")
+                raise ModelLoadError(f"{f}: tensor {shown_name(k)} is also in {index[k][0].name}")
             index[k] = (f, list(shape), dtype)
     return index
 
