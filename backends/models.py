@@ -1,10 +1,12 @@
-"""Resolving ``-m MODEL`` to files: the embedded default, a GGUF path, a HF directory or a hub id."""
+"""Resolving ``-m MODEL`` to files (the embedded default, a GGUF path, a HF directory or a hub id), and the
+error and warning every loader reports a bad model file with."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,27 @@ EMBEDDED_NAME = "smollm2-135m"
 
 class ModelNotFound(ValueError):
     """The model spec names nothing usable (no such file, not cached offline, package missing)."""
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory is missing, corrupt, truncated, inconsistent with its own configuration
+    or of an unsupported architecture. A ValueError, so the CLI prints it as one line and exits with 2."""
+
+
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages quoting a value read from a model file
+    (a hostile value must not flood the one error line)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def model_warning(message: str) -> None:
+    """One ``zoomr: warning: ...`` line on stderr: a model file lacked a value and a documented default was taken.
+
+    Printed, not :func:`warnings.warn`: Python's warning format adds the source line, and a loader warns
+    at most a few times per model load.
+    """
+    print(f"zoomr: warning: {message}", file=sys.stderr)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoomr.backends.base import BackendError
+from zoomr.backends.gguf_file import check_gguf
 from zoomr.backends.llama_log import silence_llama_logs
 
 # ggml_type ids (ggml.h) of the KV-cache element types this backend allocates, and their sizes.
@@ -103,10 +104,14 @@ def load_model(path: Path, n_gpu_layers: int = -1):
         path: GGUF file.
         n_gpu_layers: layers to offload (-1 = all); ignored by a CPU-only build of llama.cpp.
     Raises:
-        ValueError: llama.cpp cannot load the file (not GGUF, unknown architecture, truncated).
+        zoomr.backends.models.ModelLoadError: the header or metadata fails
+            :func:`zoomr.backends.gguf_file.check_gguf` (llama.cpp indexes some arrays unchecked and
+            aborts the process on some bad values, so they are checked here first).
+        ValueError: llama.cpp cannot load the file (unknown architecture, missing tensors).
     """
     import llama_cpp
 
+    check_gguf(path)
     init_llama()
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers

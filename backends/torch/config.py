@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zoomr.backends.models import model_warning, short_repr
+
 SUPPORTED_ARCHS = ("llama", "qwen2")
+# RoPE scalings the decoder implements (backends/torch/rope.py); None = plain RoPE
+ROPE_SCALINGS = (None, "default", "linear", "llama3")
+# transformers' documented defaults (LlamaConfig, Qwen2Config) for keys a config.json may omit; the
+# qwen2 RoPE base is left out on purpose: transformers' 10000 is not what any Qwen2 was trained with
+HF_RMS_EPS_DEFAULT = 1e-6
+HF_ROPE_THETA_DEFAULTS = {"llama": 10000.0}
 
 
 @dataclass
@@ -63,41 +71,128 @@ class ModelConfig:
         }
         return cfg
 
-    @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Parse a HF ``config.json`` dict.
+    def validate(self) -> None:
+        """Check the sizes fit together (before any tensor is read).
 
         Raises:
-            ValueError: unsupported architecture or missing size fields.
+            ValueError: heads that do not split into KV groups, an odd or empty head size, a RoPE scaling
+                the decoder does not implement.
         """
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"{self.n_heads} attention heads do not split into groups of {self.n_kv_heads} KV heads")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head size {self.head_dim} is not a positive even number (RoPE rotates pairs)")
+        kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type")
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling {short_repr(kind)} is not implemented by the torch backend "
+                             f"(supported: {', '.join(k for k in ROPE_SCALINGS if k)})")
+
+    def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
+        """Every tensor the decoder may read, by HF name: (shape [out, in] as in torch, required).
+
+        Optional ones: q/k/v biases of a model without them, the LM head of a tied model, and GGUF
+        ``rope_freqs`` (per-frequency RoPE divisors, [head_dim // 2]).
+        """
+        H, d = self.hidden, self.head_dim
+        q, kv = self.n_heads * d, self.n_kv_heads * d
+        shapes = {"model.embed_tokens.weight": ((self.vocab, H), True),
+                  "model.norm.weight": ((H,), True),
+                  "lm_head.weight": ((self.vocab, H), not self.tied_embeddings),
+                  "rope_freqs": ((d // 2,), False)}
+        layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                 "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                 "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+                 "mlp.gate_proj.weight": (self.ffn, H), "mlp.up_proj.weight": (self.ffn, H),
+                 "mlp.down_proj.weight": (H, self.ffn)}
+        bias = {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        for i in range(self.n_layers):
+            shapes.update({f"model.layers.{i}.{n}": (s, True) for n, s in layer.items()})
+            shapes.update({f"model.layers.{i}.{n}": (s, self.attn_bias) for n, s in bias.items()})
+        return shapes
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "config.json") -> "ModelConfig":
+        """Parse a HF ``config.json`` dict; ``where`` names the file in messages.
+
+        Sizes are required. A missing ``rms_norm_eps`` (and a llama ``rope_theta``) takes transformers'
+        documented default with one warning line; a qwen2 config without ``rope_theta`` is refused (see
+        ``zoomr.backends.gguf_file.ROPE_BASE_DEFAULTS``). Defaults that tensor shapes confirm
+        (``num_key_value_heads`` = heads, ``head_dim`` = hidden / heads) are taken silently.
+
+        Raises:
+            ValueError: not a JSON object, unsupported architecture or activation, a missing or ill-typed
+                size, sizes that do not fit together.
+        """
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{where} is not a JSON object")
         model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(model_type)
+        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(model_type) if isinstance(model_type, str) \
+            else None
         if arch is None:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2)")
+            raise ValueError(f"{where}: unsupported model_type {short_repr(model_type)} "
+                             "(supported: llama, mistral, qwen2)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act {short_repr(cfg['hidden_act'])} is not implemented "
+                             "(the decoder's MLP is SwiGLU, silu)")
+        if cfg.get("mlp_bias"):
+            raise ValueError(f"{where}: mlp_bias is not implemented (the decoder's MLP has no biases)")
+
+        def size(key: str, default=None) -> int:
+            v = cfg.get(key)
+            if v is None:
+                if default is None:
+                    raise ValueError(f"{where} lacks {key}")
+                return default
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{where}: {key} is {short_repr(v)}, expected an integer >= 1")
+            return v
+
+        def number(v, key: str) -> float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{where}: {key} is {short_repr(v)}, expected a finite number >= 0")
+            return float(v)
+
         # transformers >= 5 writes "rope_parameters" (theta inside); older configs "rope_theta" + "rope_scaling"
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if not isinstance(rope, dict):
+            raise ValueError(f"{where}: rope_scaling is {short_repr(rope)}, expected an object")
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            if arch not in HF_ROPE_THETA_DEFAULTS:
+                raise ValueError(f"{where} lacks rope_theta")
+            theta = HF_ROPE_THETA_DEFAULTS[arch]
+            model_warning(f"{where} lacks rope_theta; assuming {theta:g}, transformers' default for {arch} "
+                          "(wrong for models trained with another base)")
+        if number(theta, "rope_theta") == 0:
+            raise ValueError(f"{where}: rope_theta is 0, expected a RoPE base > 0")
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or None
         if scaling and (scaling.get("rope_type") or scaling.get("type")) in (None, "default"):
             scaling = None
+        eps = cfg.get("rms_norm_eps")
+        if eps is None:
+            eps = HF_RMS_EPS_DEFAULT
+            model_warning(f"{where} lacks rms_norm_eps; assuming {eps:g}, transformers' default")
+        hidden = size("hidden_size")
+        n_heads = size("num_attention_heads")
+        c = cls(
+            arch=arch,
+            n_layers=size("num_hidden_layers"),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=size("num_key_value_heads", n_heads),
+            head_dim=size("head_dim", hidden // n_heads or None),
+            ffn=size("intermediate_size"),
+            vocab=size("vocab_size"),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_eps=number(eps, "rms_norm_eps"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # sizes only the first RoPE table (it grows on demand): no effect on logits, so no warning
+            max_ctx=size("max_position_embeddings", 4096),
+            attn_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        )
         try:
-            hidden = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            return cls(
-                arch=arch,
-                n_layers=int(cfg["num_hidden_layers"]),
-                hidden=hidden,
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-                ffn=int(cfg["intermediate_size"]),
-                vocab=int(cfg["vocab_size"]),
-                rope_theta=float(theta),
-                rope_scaling=scaling,
-                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                max_ctx=int(cfg.get("max_position_embeddings", 4096)),
-                attn_bias=arch == "qwen2",
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+            c.validate()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return c

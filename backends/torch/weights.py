@@ -4,6 +4,10 @@ Both paths produce the same thing: a :class:`ModelConfig` and a dict of float32 
 HF tensor names (``model.layers.{i}.self_attn.q_proj.weight`` ...), with Q/K rows in HF order so
 one RoPE implementation (rotate-half) serves both.
 
+Nothing is trusted before it is checked: the GGUF header against the file's size
+(:mod:`zoomr.backends.gguf_file`), the configuration's sizes against each other, and every tensor's
+presence, shape and type against the configuration, all before the first weight is read.
+
 Source of the GGUF layout: llama.cpp's ``convert_hf_to_gguf.py`` (tensor names, the Q/K row
 permutation it applies to the ``llama`` architecture, ``rope_freqs`` factors).
 """
@@ -15,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from zoomr.backends.gguf_file import (PER_LAYER_KEYS, ROPE_BASE_DEFAULTS, GGUFArray, GGUFHeader, check_gguf,
+                                      gguf_float, gguf_int, shown_name)
+from zoomr.backends.models import ModelLoadError, short_repr
+
 from .config import SUPPORTED_ARCHS, ModelConfig
-
-
-class ModelLoadError(ValueError):
-    """A model file or directory is missing, corrupt, truncated or of an unsupported architecture."""
 
 
 _GGUF_LAYER_NAMES = {
@@ -56,152 +60,273 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def read_gguf_config(head: GGUFHeader) -> ModelConfig:
+    """Model configuration from a checked GGUF header (:func:`zoomr.backends.gguf_file.check_gguf`).
 
-
-def read_gguf_config(reader) -> ModelConfig:
-    """Model configuration from a ``gguf.GGUFReader``'s metadata.
+    Defaults are llama.cpp's (``llama-model.cpp``, ``load_hparams``): KV heads = heads, head size =
+    embedding / heads, RoPE scaling type "linear" with factor 1, vocabulary = the token list's length.
 
     Raises:
-        ModelLoadError: unsupported ``general.architecture`` or missing size fields.
+        ModelLoadError: unsupported architecture, or metadata the torch decoder cannot run: per-layer sizes
+            that differ, a V head size or RoPE dimension other than the K head size, YaRN/LongRoPE scaling,
+            experts, more tokens than vocabulary, sizes that do not fit together.
     """
-    arch = _field(reader, "general.architecture")
+    arch = head.arch
     if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+        raise ModelLoadError(f"{head.path}: unsupported GGUF architecture {short_repr(arch)} for the torch backend "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)}; --backend llamacpp runs more)")
 
-    def need(key):
-        v = _field(reader, f"{arch}.{key}")
-        if v is None:
-            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+    def fail(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{head.path}: {what}")
+
+    def one(key: str, default=None) -> int:
+        v = gguf_int(head, f"{arch}.{key}", default, per_layer=key in PER_LAYER_KEYS)
+        if isinstance(v, tuple):  # a per-layer array: the decoder has one size for all layers
+            if len(set(v)) != 1:
+                raise fail(f"GGUF metadata {arch}.{key} differs between layers ({min(v)}..{max(v)}), which the torch "
+                           "backend does not implement (--backend llamacpp runs it)")
+            v = v[0]
         return v
 
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
-    scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-    return ModelConfig(
+    n_layers = one("block_count")
+    hidden = one("embedding_length")
+    n_heads = one("attention.head_count")
+    head_dim = one("attention.key_length", hidden // n_heads or None)
+    if head_dim is None:
+        raise fail(f"GGUF metadata {arch}.embedding_length {hidden} is smaller than the {n_heads} heads")
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if one(key, head_dim) != head_dim:
+            raise fail(f"GGUF metadata {arch}.{key} is {one(key)}, not the head size {head_dim}, which the torch "
+                       "backend does not implement (--backend llamacpp runs it)")
+    experts = head.get(f"{arch}.expert_count", 0)
+    if experts:
+        raise fail(f"GGUF metadata {arch}.expert_count is {short_repr(experts)}: mixture-of-experts models are not "
+                   "implemented by the torch backend (--backend llamacpp runs them)")
+    tokens = head.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.count if isinstance(tokens, GGUFArray) else None
+    vocab = one("vocab_size", n_tokens)
+    if vocab is None:
+        raise fail(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    if n_tokens is not None and n_tokens > vocab:
+        raise fail(f"GGUF metadata lists {n_tokens} tokens for a vocabulary of {vocab} ({arch}.vocab_size)")
+    names = {t.name for t in head.tensors}
+    cfg = ModelConfig(
         arch=arch,
-        n_layers=int(need("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
-        ffn=int(need("feed_forward_length")),
+        n_kv_heads=one("attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        ffn=one("feed_forward_length"),
         vocab=vocab,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=gguf_float(head, f"{arch}.rope.freq_base", ROPE_BASE_DEFAULTS.get(arch)),
+        rope_scaling=_gguf_rope_scaling(head, arch),
+        rms_eps=gguf_float(head, f"{arch}.attention.layer_norm_rms_epsilon"),
         tied_embeddings="output.weight" not in names,
-        max_ctx=int(_field(reader, f"{arch}.context_length", 4096)),
+        max_ctx=one("context_length"),
         attn_bias="blk.0.attn_q.bias" in names,
     )
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise fail(f"GGUF metadata: {e}") from None
+    return cfg
+
+
+def _gguf_rope_scaling(head: GGUFHeader, arch: str) -> dict | None:
+    """llama.cpp's reading: type "linear" unless named, factor from ``rope.scaling.factor`` (or the older
+    ``rope.scale_linear``), where 0 or absent means 1 (no scaling)."""
+    kind = head.get(f"{arch}.rope.scaling.type", "linear")
+    factor = gguf_float(head, f"{arch}.rope.scaling.factor") or gguf_float(head, f"{arch}.rope.scale_linear") or 1.0
+    if kind == "none" or factor == 1.0:
+        return None
+    if kind != "linear":
+        raise ModelLoadError(f"{head.path}: GGUF metadata {arch}.rope.scaling.type is {kind!r}, which the torch "
+                             "backend does not implement (--backend llamacpp runs it)")
+    return {"rope_type": "linear", "factor": factor}
+
+
+def _gguf_names(n_layers: int) -> dict[str, str]:
+    """GGUF tensor name → HF name, for every tensor the decoder may read."""
+    names = dict(_GGUF_GLOBAL_NAMES)
+    for i in range(n_layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{hf}" for g, hf in _GGUF_LAYER_NAMES.items()})
+    return names
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Read and dequantize a GGUF file.
+    """Read and dequantize a GGUF file, after checking its header, metadata and every tensor's shape.
+
+    Memory: at most 4 bytes per element of the tensors the checked header describes (float32 copies),
+    each of which lies inside the file; nothing is allocated before every check has passed.
 
     Args:
         path: GGUF file.
     Returns:
         (config, tensors as float32 arrays under HF names, metadata dict with ``chat_template``).
     Raises:
-        ModelLoadError: not a GGUF file, truncated, unsupported architecture or quantization.
+        ModelLoadError: not a GGUF file, a corrupt or truncated header or data, missing or ill-typed
+            metadata, unsupported architecture or quantization, missing, unknown or misshapen tensors.
     """
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError, struct.error, IndexError... on corrupt files
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    cfg = read_gguf_config(reader)
+    head = check_gguf(path)
+    cfg = read_gguf_config(head)
+    to_hf = _gguf_names(cfg.n_layers)
+    named = {}
+    for t in head.tensors:
+        if t.name not in to_hf:  # llama.cpp refuses a file with tensors its architecture does not have, too
+            raise ModelLoadError(f"{path}: tensor {shown_name(t.name)} is not part of a {cfg.arch} model")
+        named[to_hf[t.name]] = t
+    check_shapes(cfg, {n: t.shape for n, t in named.items()}, str(path), file_names={hf: g for g, hf in to_hf.items()})
+    for qtype in {t.ggml_type for t in named.values()}:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:  # one zero block: gguf's signal for a type it cannot dequantize, before any real allocation
+            gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except NotImplementedError:
+            first = next(t.name for t in named.values() if t.ggml_type == qtype)
+            raise ModelLoadError(f"{path}: tensor {first} has unsupported type {qtype.name}") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        if t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                continue
-            name = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
-        elif t.name in _GGUF_GLOBAL_NAMES:
-            name = _GGUF_GLOBAL_NAMES[t.name]
-        else:
-            continue
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:  # gguf's signal for a quantization type it cannot dequantize
-            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from None
+    for name, t in named.items():
+        block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
+        rows = t.shape[:-1]
+        raw = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.ne[0] // block * type_size)
+        arr = gguf.quants.dequantize(raw, t.ggml_type)
         # F32 tensors come back as read-only views of the memory-mapped file: copy those
-        arr = np.require(arr, np.float32, ["C", "W"]).reshape([int(x) for x in reversed(t.shape)])
+        arr = np.require(arr, np.float32, ["C", "W"]).reshape(t.shape)
         if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads
             arr = unpermute_qk(arr, heads)
         tensors[name] = arr
-    _check_complete(cfg, tensors, str(path))
-    meta = {"chat_template": _field(reader, "tokenizer.chat_template")}
+    del data
+    meta = {"chat_template": head.get("tokenizer.chat_template")}
     return cfg, tensors, meta
 
 
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str, lm_head: bool = True,
+                 file_names: dict[str, str] | None = None) -> None:
+    """Every tensor the configuration requires is present and every present one has its shape.
+
+    Args:
+        shapes: HF tensor name → shape (torch order); names the decoder does not read are ignored.
+        where: the file or directory, for messages.
+        lm_head: require ``lm_head.weight`` of an untied model (a PRM body has none).
+        file_names: HF name → the name the file uses (GGUF), for messages; HF names otherwise.
+    Raises:
+        ModelLoadError: the first missing tensor (with the count) or the first misshapen one.
+    """
+    expected = cfg.tensor_shapes()
+    named = (file_names or {}).get
+    missing = [n for n, (_, required) in expected.items()
+               if required and n not in shapes and (lm_head or n != "lm_head.weight")]
+    if missing:
+        raise ModelLoadError(f"{where}: weights incomplete, {len(missing)} tensors missing "
+                             f"(first: {named(missing[0], missing[0])})")
+    for name, shape in shapes.items():
+        if name in expected and tuple(shape) != expected[name][0]:
+            # GGUF records dimensions fastest-first: show them as the file has them
+            got, need = (list(reversed(shape)), list(reversed(expected[name][0]))) if file_names else \
+                (list(shape), list(expected[name][0]))
+            raise ModelLoadError(f"{where}: tensor {named(name, name)} has shape {got}, the configuration "
+                                 f"needs {need}")
+
+
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Read a HF causal-LM directory (``config.json`` + ``*.safetensors``) and check every tensor is there.
+    """Read a HF causal-LM directory (``config.json`` + ``*.safetensors``), every tensor checked first.
 
     Returns:
         (config, float32 tensors under HF names, metadata dict).
     Raises:
-        ModelLoadError: no config.json, no or corrupt safetensors, unsupported architecture, missing tensors.
+        ModelLoadError: see :func:`read_hf_dir`; also a missing LM head of an untied model.
     """
-    cfg, tensors = read_hf_dir(path)
-    _check_complete(cfg, tensors, str(path))
+    cfg, tensors = read_hf_dir(path, lm_head=True)
     return cfg, tensors, {}
 
 
-def read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and float32 tensors of a HF directory, without checking which tensors exist (heads vary).
+# safetensors dtypes the decoder converts to float32; weights of any other type are refused
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def read_hf_dir(path: Path, lm_head: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and float32 tensors of a HF directory. Weights are safetensors only (no pickle) and are
+    checked from the files' headers before any is read: every tensor the configuration requires is
+    present (the LM head only when ``lm_head``: heads vary, a PRM has none), shapes match the
+    configuration, dtypes are floating point. Tensors the decoder does not read are kept when
+    floating point (a PRM's ``score.*`` head) and skipped otherwise.
 
     Raises:
-        ModelLoadError: no config.json, no or corrupt safetensors, unsupported architecture.
+        ModelLoadError: no or invalid config.json, no or corrupt safetensors, unsupported architecture,
+            a tensor in two files, missing, misshapen or non-float tensors.
     """
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{path}: no config.json in this directory")
     try:
-        cfg = ModelConfig.from_hf(json.loads(cfg_path.read_text()))
-    except (ValueError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{cfg_path}: {e}") from None
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: not valid JSON ({e})") from None
+    try:
+        cfg = ModelConfig.from_hf(raw, str(cfg_path))
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    index = _safetensors_index(path)
+    if cfg.n_layers > len(index):  # each layer has tensors of its own: checked before the count is looped over
+        raise ModelLoadError(f"{cfg_path}: num_hidden_layers is {cfg.n_layers}, but the weights hold "
+                             f"{len(index)} tensors")
+    check_shapes(cfg, {n: shape for n, (_, shape, _) in index.items()}, str(path), lm_head=lm_head)
+    expected = cfg.tensor_shapes()
+    for name, (f, _, dtype) in index.items():
+        if name in expected and dtype not in _FLOAT_DTYPES:
+            raise ModelLoadError(f"{f}: tensor {name} has dtype {dtype} (expected one of {', '.join(_FLOAT_DTYPES)})")
+    wanted = {n: f for n, (f, _, dtype) in index.items() if dtype in _FLOAT_DTYPES}
+    return cfg, _load_safetensors_f32(wanted)
+
+
+def _safetensors_index(path: Path) -> dict[str, tuple[Path, list[int], str]]:
+    """Tensor name → (file, shape, dtype) from the headers of every ``*.safetensors`` in ``path``
+    (safetensors checks its header against the file's size; no tensor data is read)."""
+    from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
-    tensors: dict[str, np.ndarray] = {}
+    index: dict[str, tuple[Path, list[int], str]] = {}
     for f in files:
         try:
-            tensors.update(_load_safetensors_f32(f))
+            with safe_open(str(f), framework="pt") as sf:
+                entries = [(k, sf.get_slice(k)) for k in sf.keys()]
+                entries = [(k, sl.get_shape(), sl.get_dtype()) for k, sl in entries]
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on a bad file
+            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        for k, shape, dtype in entries:
+            if k in index:
+                raise ModelLoadError(f"{f}: tensor {shown_name(k)} is also in {index[k][0].name}")
+            index[k] = (f, list(shape), dtype)
+    return index
+
+
+def _load_safetensors_f32(wanted: dict[str, Path]) -> dict[str, np.ndarray]:
+    """The named tensors as float32 numpy, going through torch so bf16 checkpoints load too."""
+    from safetensors import safe_open
+
+    tensors: dict[str, np.ndarray] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in wanted.items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in names:
+                    tensors[name] = sf.get_tensor(name).float().numpy()
         except Exception as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
-    return cfg, tensors
-
-
-def _load_safetensors_f32(f: Path) -> dict[str, np.ndarray]:
-    """safetensors → float32 numpy, going through torch so bf16 checkpoints load too."""
-    from safetensors.torch import load_file
-
-    return {k: v.float().numpy() for k, v in load_file(str(f)).items()}
+    return tensors
 
 
 def _check_complete(cfg: ModelConfig, tensors: dict, where: str) -> None:
-    needed = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.n_layers):
-        needed += [f"model.layers.{i}.{n}" for n in _GGUF_LAYER_NAMES.values() if "bias" not in n]
-    if not cfg.tied_embeddings:
-        needed.append("lm_head.weight")
-    missing = [n for n in needed if n not in tensors]
-    if missing:
-        raise ModelLoadError(f"{where}: weights incomplete, {len(missing)} tensors missing (first: {missing[0]})")
+    """:func:`check_shapes` over loaded tensors (a PRM checks its body this way once its head is split off)."""
+    check_shapes(cfg, {n: a.shape for n, a in tensors.items()}, where)
 
 
 def write_hf_dir(cfg: ModelConfig, tensors: dict[str, np.ndarray], out: Path) -> None:

@@ -4,8 +4,16 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zoomr.rescue.degeneration import DegenerationDetector, DetectorConfig, entropy_nats, gzip_ratio
+from zoomr.rescue.degeneration import (
+    DegenerationDetector,
+    DetectorConfig,
+    entropy_nats,
+    gzip_ratio,
+    shortest_gzip_abort,
+)
 
 VOCAB = 49152  # the embedded model's vocabulary
 
@@ -55,7 +63,10 @@ def test_repetition_loop_is_aborted_by_gzip_with_confident_tokens():
     sig, at = feed(DegenerationDetector(), loop, lambda: peaked_logits(rng))
     assert at is not None and sig.abort == "repetition"
     assert sig.min_gzip_ratio < 0.18 and sig.mean_entropy < 1.0    # low entropy: the entropy test alone misses it
-    assert at < 120  # caught long before the step-token limit
+    # caught long before the 512-token step limit: at token 134 (453 characters). The bound was 120 while a
+    # short text was judged as a full window (caught at token 70, 233 characters); issue 12 scales the
+    # threshold with the window's fill, so a loop needs more text before it is called one
+    assert at < 150
 
 
 def test_high_entropy_garbage_is_aborted_right_after_the_guard():
@@ -93,3 +104,148 @@ def test_normal_reasoning_with_real_model_logits_is_not_aborted(torch_backend):
 def test_bad_thresholds_are_one_line_value_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):
         DetectorConfig(**kw).validate()
+
+
+# Short steps that repeat themselves on purpose. Each compresses below τ_cmp = 0.18 on its whole length, so
+# judging a short text as if it were a full 800-character window (zoomr before issue 12) aborted it.
+BOARD_ROW = "| {} | . | . | . | . | . | . | . | . | . | . |\n"
+TABLE = "|  | a | b | c | d | e | f | g | h | i | j |\n|" + "---|" * 11 + "\n" + "".join(
+    BOARD_ROW.format(r) for r in range(10, 0, -1))  # an empty 10 × 10 board
+EQUATIONS = "".join(f"2^{{{i}}} \\equiv {pow(2, i, 7)} \\pmod{{7}}\n" for i in range(1, 31))
+ONES = "$$S = " + " + ".join(["1"] * 60) + " = 60$$"
+HALVES = "$$" + " \\cdot ".join(["\\frac{1}{2}"] * 15) + " = \\frac{1}{32768}$$"
+
+
+@pytest.mark.parametrize("step", [TABLE, EQUATIONS, ONES, HALVES], ids=["table", "equations", "ones", "halves"])
+def test_short_repetitive_legitimate_step_is_not_aborted(step):
+    assert len(step) < 800 and min(gzip_ratio(step[:n]) for n in range(1, len(step) + 1)) < 0.18
+    det = DegenerationDetector()
+    for i, ch in enumerate(step):  # character by character: every prefix is judged
+        s = det.observe(ch, 0.5)
+        assert s.abort is None, (i, s)
+    assert s.min_gzip_ratio < 0.18  # it did dip below τ_cmp, on a window too short to be judged by it
+
+
+def test_the_same_board_going_on_is_aborted():
+    det = DegenerationDetector()
+    loop = TABLE + "".join(BOARD_ROW.format(r) for r in range(11, 60))  # the board never ends
+    at = next(i for i, ch in enumerate(loop) if det.observe(ch, 0.5).abort)
+    assert det.signals.abort == "repetition" and len(TABLE) < at < 800  # three rows more (667 characters)
+    assert det.signals.gzip_ratio < det.signals.gzip_threshold < 0.18
+
+
+def test_loop_of_one_character_tokens_is_caught_within_a_step():
+    """512 tokens of one character never fill the 800-character window: a rule that waited for a full
+    window would let it run to the step limit."""
+    for token in ("0", ".", "-"):
+        det = DegenerationDetector()
+        at = next((i for i in range(512) if det.observe(token, 0.1).abort), None)
+        assert det.signals.abort == "repetition" and at is not None
+        assert shortest_gzip_abort(det.config) <= at + 1 < 400
+
+
+def test_threshold_scales_with_the_fill_and_is_the_papers_at_a_full_window():
+    c = DetectorConfig()
+    assert c.gzip_threshold(800) == c.gzip_threshold(5000) == 0.18
+    assert c.gzip_threshold(200) == pytest.approx(0.045) and c.gzip_threshold(0) == 0.0
+    assert shortest_gzip_abort(c) == 299  # 20 / n < 0.18 · n / 800 from n = 299 on (n² > 88 889)
+    assert shortest_gzip_abort(c, 4) < shortest_gzip_abort(c)
+    s = DegenerationDetector().observe("ab", 0.0)
+    assert s.as_dict()["gzip_threshold"] == pytest.approx(0.18 * 2 / 800, abs=1e-4)
+
+
+# ---- properties (bounded, derandomized) -----------------------------------------------------------------
+
+# loops (a unit of 1-80 characters repeated to 50-1400 characters, then a tail) and text that does not
+# compress (drawn from 60 symbols); cut into chunks the way tokens arrive
+_unit = st.text(st.sampled_from("ab1 +|=\n.x0"), min_size=1, max_size=80)
+_loops = st.builds(lambda u, n, tail: (u * (n // len(u) + 1))[:n] + tail, _unit,
+                   st.sampled_from(range(50, 1401, 50)), st.text(st.sampled_from("abcdefgh 123"), max_size=40))
+_noise = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ()+-=$"),
+                 min_size=200, max_size=1200)
+_texts = st.one_of(_loops, _noise)
+
+
+def _chunks(text: str, sizes: list[int]) -> list[str]:
+    out, at, k = [], 0, 0
+    while at < len(text):
+        n = sizes[k % len(sizes)]
+        out.append(text[at:at + n])
+        at, k = at + n, k + 1
+    return out
+
+
+def _abort_at(config: DetectorConfig, chunks: list[str], entropy: float = 0.0):
+    det = DegenerationDetector(config)
+    for i, c in enumerate(chunks):
+        if det.observe(c, entropy).abort:
+            return i, det.signals.abort
+    return None, None
+
+
+_chunk_sizes = st.lists(st.integers(1, 6), min_size=1, max_size=5)
+_PROPS = settings(max_examples=40, deadline=None, derandomize=True)
+
+
+@_PROPS
+@given(_texts, _chunk_sizes)
+def test_property_no_gzip_abort_below_the_shortest_abortable_window(text, sizes):
+    c = DetectorConfig()
+    short = text[:shortest_gzip_abort(c) - 1]
+    assert _abort_at(c, _chunks(short, sizes)) == (None, None)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.text(min_size=1, max_size=3).map(lambda u: u * 200))
+def test_property_no_gzip_abort_below_the_bound_for_any_utf8(text):
+    c = DetectorConfig()
+    short = text[:shortest_gzip_abort(c, bytes_per_char=4) - 1]
+    assert _abort_at(c, list(short)) == (None, None)
+
+
+@_PROPS
+@given(_texts, _chunk_sizes, st.floats(0.05, 0.3), st.floats(0.05, 0.3))
+def test_property_a_higher_gzip_threshold_never_aborts_later(text, sizes, t1, t2):
+    lo, hi = sorted((t1, t2))
+    chunks = _chunks(text, sizes)
+    at_lo, _ = _abort_at(DetectorConfig(min_gzip_ratio=lo), chunks)
+    at_hi, _ = _abort_at(DetectorConfig(min_gzip_ratio=hi), chunks)
+    assert at_lo is None or (at_hi is not None and at_hi <= at_lo)
+
+
+@_PROPS
+@given(_texts, _chunk_sizes)
+def test_property_a_full_window_is_judged_by_the_papers_threshold_a_shorter_one_more_leniently(text, sizes):
+    """The threshold never exceeds τ_cmp and equals it from a full window on: every abort is one the constant
+    τ_cmp would have made by then, and a full window under τ_cmp is always aborted."""
+    c = DetectorConfig()
+    det, seen = DegenerationDetector(c), 0
+    for chunk in _chunks(text, sizes):
+        s = det.observe(chunk, 0.0)
+        seen += len(chunk)
+        full = seen >= c.gzip_window
+        assert s.gzip_threshold <= c.min_gzip_ratio and (s.gzip_threshold == c.min_gzip_ratio) == full
+        assert not (full and s.gzip_ratio < c.min_gzip_ratio) or s.abort == "repetition"
+        if s.abort:
+            assert s.abort == "repetition" and s.min_gzip_ratio < c.min_gzip_ratio
+            break
+
+
+@_PROPS
+@given(_texts, _chunk_sizes, st.lists(st.floats(0.0, 11.0), min_size=1, max_size=30))
+def test_property_the_verdict_sticks_and_entropy_is_monotone(text, sizes, entropies):
+    chunks = _chunks(text, sizes)
+    det = DegenerationDetector()
+    first = None
+    for i, c in enumerate(chunks):
+        s = det.observe(c, entropies[i % len(entropies)])
+        first = first or s.abort
+        assert s.abort == first  # once aborted, always aborted, for the first reason
+    low = DegenerationDetector(DetectorConfig(max_entropy=5.0, min_gzip_ratio=0.0))
+    high = DegenerationDetector(DetectorConfig(max_entropy=8.0, min_gzip_ratio=0.0))
+    at = {}
+    for i, c in enumerate(chunks):
+        for name, d in (("low", low), ("high", high)):
+            if d.observe(c, entropies[i % len(entropies)]).abort and name not in at:
+                at[name] = i
+    assert "high" not in at or at.get("low", 1 << 30) <= at["high"]

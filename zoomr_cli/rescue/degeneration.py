@@ -11,8 +11,19 @@ implementation details: a base candidate is aborted *while it is generated* when
 Both signals come from what decoding already produced (the logits a token was sampled from, the
 text so far): no extra model forward. Entropy is of the model's raw next-token distribution
 (temperature 1, before top-k/top-p), in nats. The gzip ratio is compressed bytes / UTF-8 bytes of
-the window (``gzip.compress``, level 9, fixed mtime); while a candidate is shorter than the window,
-the window is its whole text (short texts only compress worse, so this never aborts earlier).
+the window (``gzip.compress``, level 9, fixed mtime).
+
+While a candidate is shorter than the window (the paper does not say what happens then), the window
+is its whole text and the threshold grows with the window's fill: τ_cmp · n / w_cmp for n < w_cmp
+characters, τ_cmp itself once the window is full. A short text that happens to repeat itself (a
+small Markdown table, a list of equations, 1 + 1 + … + 1) must therefore be far more compressible
+than a full window before it counts as a loop; since a gzip stream is never under 20 bytes, nothing
+shorter than :func:`shortest_gzip_abort` characters (299 at the defaults) is aborted on this
+signal. Waiting for a full window instead would never catch a loop of one-character tokens
+("0000…", "....") inside a 512-token step (512 characters < 800). Calibration
+(``benchmarks/detector_calibration.py``): no abort of any GSM8K/MATH500 solution step (7097) nor of
+the short repetitive legitimate steps built there (the constant threshold aborted some), and every
+loop the constant threshold caught is still caught within the step limit, some tokens later.
 """
 
 from __future__ import annotations
@@ -43,6 +54,11 @@ class DetectorConfig:
     min_gzip_ratio: float = 0.18
     gzip_window: int = 800
 
+    def gzip_threshold(self, chars: int) -> float:
+        """The gzip ratio below which a window of ``chars`` characters is a repetition loop:
+        τ_cmp · chars / w_cmp while the window is not full, τ_cmp once it is (see the module doc)."""
+        return self.min_gzip_ratio * min(1.0, chars / self.gzip_window)
+
     def validate(self) -> "DetectorConfig":
         """Return self.
 
@@ -72,12 +88,29 @@ def entropy_nats(logits: np.ndarray) -> float:
     return float(math.log(s) - (p * z).sum() / s)
 
 
+GZIP_MIN_BYTES = 20  # 10-byte header + 8-byte trailer + the shortest deflate stream (2 bytes, empty input)
+
+
 def gzip_ratio(text: str) -> float:
     """gzip-compressed size / UTF-8 size of ``text`` (1.0 for empty text)."""
     raw = text.encode("utf-8")
     if not raw:
         return 1.0
     return len(gzip.compress(raw, compresslevel=9, mtime=0)) / len(raw)
+
+
+def shortest_gzip_abort(config: DetectorConfig, bytes_per_char: int = 1) -> int:
+    """Fewest characters a window must hold before the gzip signal can abort it (characters).
+
+    A window of n characters and at most ``bytes_per_char`` · n UTF-8 bytes compresses to at least
+    :data:`GZIP_MIN_BYTES`, so its ratio is at least 20 / (bytes_per_char · n); it can only fall under
+    :meth:`DetectorConfig.gzip_threshold` from the returned n on (``bytes_per_char`` 1: ASCII text, 299
+    characters at the defaults; 4: any text).
+    """
+    n = 1
+    while n < config.gzip_window and GZIP_MIN_BYTES / (bytes_per_char * n) >= config.gzip_threshold(n):
+        n += 1
+    return n
 
 
 @dataclass
@@ -89,7 +122,10 @@ class Signals:
         entropy: entropy of the last token's distribution (nats).
         mean_entropy: mean over the last ``entropy_window`` tokens (nats).
         gzip_ratio: ratio of the current window; min_gzip_ratio: the lowest seen so far.
-        abort: None, or the reason: ``"entropy"`` (incoherent) or ``"repetition"`` (gzip).
+        gzip_threshold: what the current window's ratio is compared with (see
+            :meth:`DetectorConfig.gzip_threshold`; 0 before any text).
+        abort: None, or the reason: ``"entropy"`` (incoherent) or ``"repetition"`` (gzip); once set it
+            stays, with the first reason.
     """
 
     tokens: int = 0
@@ -97,12 +133,14 @@ class Signals:
     mean_entropy: float = 0.0
     gzip_ratio: float = 1.0
     min_gzip_ratio: float = 1.0
+    gzip_threshold: float = 0.0
     abort: str | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready values (rounded)."""
         return {"tokens": self.tokens, "entropy": round(self.entropy, 4), "mean_entropy": round(self.mean_entropy, 4),
-                "gzip_ratio": round(self.gzip_ratio, 4), "min_gzip_ratio": round(self.min_gzip_ratio, 4)}
+                "gzip_ratio": round(self.gzip_ratio, 4), "min_gzip_ratio": round(self.min_gzip_ratio, 4),
+                "gzip_threshold": round(self.gzip_threshold, 4)}
 
 
 class DegenerationDetector:
@@ -125,17 +163,26 @@ class DegenerationDetector:
 
         Returns the updated :class:`Signals`; ``abort`` is set once a threshold is crossed.
         """
+        return self.observe(text, entropy_nats(logits))
+
+    def observe(self, text: str, entropy: float) -> Signals:
+        """:meth:`push` with the token's entropy already computed (nats), e.g. from teacher-forced
+        logits or, to read the gzip signal alone, 0."""
         c, s = self.config, self.signals
         s.tokens += 1
-        s.entropy = entropy_nats(logits)
+        s.entropy = entropy
         self._entropies.append(s.entropy)
         s.mean_entropy = sum(self._entropies) / len(self._entropies)
         self._text = (self._text + text)[-c.gzip_window:]
+        repetitive = False
         if text:  # the window changes only when text arrives
             s.gzip_ratio = gzip_ratio(self._text)
             s.min_gzip_ratio = min(s.min_gzip_ratio, s.gzip_ratio)
-        if s.tokens >= c.entropy_guard and s.mean_entropy > c.max_entropy:
-            s.abort = "entropy"
-        elif s.min_gzip_ratio < c.min_gzip_ratio:
-            s.abort = "repetition"
+            s.gzip_threshold = c.gzip_threshold(len(self._text))
+            repetitive = s.gzip_ratio < s.gzip_threshold
+        if s.abort is None:
+            if s.tokens >= c.entropy_guard and s.mean_entropy > c.max_entropy:
+                s.abort = "entropy"
+            elif repetitive:
+                s.abort = "repetition"
         return s
