@@ -16,9 +16,9 @@ control-token text gets exactly the ids it always had.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import secrets
+import weakref
 
 from .base import ControlToken, Tokenizer
 from .chat_template import ChatTemplateError, render_chat
@@ -196,11 +196,15 @@ def _contents(content) -> list:
     return list(content) if isinstance(content, list) else []
 
 
-@functools.lru_cache(maxsize=16)  # tokenizers live as long as the run
+_PATTERNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer → its control-token regex
+
+
 def _control_pattern(tok: Tokenizer) -> re.Pattern | None:
-    # longest first: where two control tokens could match at one place the longer wins, as in llama.cpp
-    texts = sorted(tok.control_tokens, key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, texts))) if texts else None
+    if tok not in _PATTERNS:
+        # longest first: where two control tokens could match at one place the longer wins, as in llama.cpp
+        texts = sorted(tok.control_tokens, key=len, reverse=True)
+        _PATTERNS[tok] = re.compile("|".join(map(re.escape, texts))) if texts else None
+    return _PATTERNS[tok]
 
 
 def _split_controls(tok: Tokenizer, text: str) -> list[str | ControlToken]:
