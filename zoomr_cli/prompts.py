@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zoomr.backends.chat_template import encode_rendered, render_chat
+from zoomr.backends.chat_prompt import encode_chat
 from zoomr.kvstore.registry import policy_info
 from zoomr.kvstore.segments import SUMMARY_INSTRUCTION
 
@@ -18,8 +18,10 @@ def solve_messages(problem: str, system: str | None = None) -> list[dict]:
 def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int]:
     """Token ids of a problem's chat prompt, ready to prefill (what solve, bench and rescue all prefill).
 
-    :func:`solve_messages` rendered with the model's own chat template (ChatML when it has none) and
-    tokenized with its control tokens; the generation prompt (the assistant turn's header) is included.
+    :func:`solve_messages` rendered with the model's own chat template (ChatML when it has none); control
+    tokens are parsed in the template's markup only, the problem and system message stay text
+    (:func:`zoomr.backends.chat_prompt.encode_chat`). The generation prompt (the assistant turn's header)
+    is included.
 
     Args:
         tokenizer: the model's tokenizer (``backend.tokenizer``).
@@ -30,7 +32,7 @@ def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int
     Raises:
         zoomr.backends.chat_template.ChatTemplateError: the model's template does not render.
     """
-    return encode_rendered(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
+    return encode_chat(tokenizer, solve_messages(problem, system))
 
 
 def system_with_summaries(system: str | None, policy: str, summaries: str) -> str | None:
