@@ -11,7 +11,8 @@ KV cache, budget (KV tokens a policy may keep resident), fork, eviction.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,6 +22,21 @@ from zoomr.kvstore.stats import KVMeter, KVStats  # noqa: F401
 
 class BackendError(RuntimeError):
     """A model runtime failed on well-formed input (for example llama.cpp found no KV slot)."""
+
+
+@dataclass(frozen=True)
+class ControlToken:
+    """A token that only special-token parsing makes from its text (``<|im_start|>``, ``<|im_end|>``).
+
+    Attributes:
+        id: its token id.
+        lstrip / rstrip: parsing it also swallows the whitespace before / after it (llama.cpp's
+            LSTRIP/RSTRIP token attributes, HF ``AddedToken.lstrip``/``rstrip``).
+    """
+
+    id: int
+    lstrip: bool = False
+    rstrip: bool = False
 
 
 @runtime_checkable
@@ -33,6 +49,10 @@ class Tokenizer(Protocol):
         eos_ids: ids that end generation (EOS, end-of-turn).
         chat_template: the model's Jinja chat template, or None when the model has none.
         bos_text / eos_text: the special tokens' text, for templates.
+        control_tokens: text → :class:`ControlToken` for every token that ``special=True`` parses and
+            ``special=False`` leaves as plain text.
+        adds_bos: the tokenizer's configuration puts BOS in front of a sequence (GGUF
+            ``tokenizer.ggml.add_bos_token``; HF ``add_bos_token`` or the post-processor).
     """
 
     vocab_size: int
@@ -41,9 +61,17 @@ class Tokenizer(Protocol):
     chat_template: str | None
     bos_text: str
     eos_text: str
+    control_tokens: Mapping[str, ControlToken]
+    adds_bos: bool
 
     def encode(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
-        """Token ids of ``text``; ``special`` parses control tokens such as ``<|im_start|>``."""
+        """Token ids of ``text``.
+
+        ``special`` parses the text of control tokens (``<|im_start|>``) into their ids; without it that
+        text is tokenized like any other. ``add_bos`` adds what the tokenizer's configuration adds around
+        a sequence (BOS when :attr:`adds_bos`, EOS when it says so too), as llama.cpp's ``add_special``.
+        Lone surrogates in ``text`` are tokenized as U+FFFD.
+        """
         ...
 
     def decode(self, ids: list[int]) -> str:

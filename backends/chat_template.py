@@ -110,11 +110,12 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
 
 
 def encode_rendered(tokenizer: Tokenizer, rendered: str) -> list[int]:
-    """Token ids of text that is *already* a rendered chat prompt (the output of :func:`render_chat`).
+    """Token ids of text that is *already* a rendered chat prompt, all of it trusted markup.
 
-    Control tokens in ``rendered`` (``<|im_start|>``) are parsed as such, and BOS is added only when the
-    text does not start with it already. No template is applied here: a raw problem or user message
-    passed in would reach the model without its chat format. For a problem use
+    Control tokens anywhere in ``rendered`` (``<|im_start|>``) are parsed as such, and BOS is added where
+    the tokenizer's configuration adds one and the text does not start with it already. Text a user
+    supplied must not pass through here (its ``<|im_end|>`` would become the control token): for
+    messages use :func:`zoomr.backends.chat_prompt.encode_chat`, for a problem
     :func:`zoomr.prompts.solve_prompt` (messages → template → ids).
 
     Args:
@@ -122,5 +123,5 @@ def encode_rendered(tokenizer: Tokenizer, rendered: str) -> list[int]:
     Returns:
         token ids (tokens).
     """
-    add_bos = tokenizer.bos_id is not None and not (tokenizer.bos_text and rendered.startswith(tokenizer.bos_text))
+    add_bos = not (tokenizer.bos_text and rendered.startswith(tokenizer.bos_text))
     return tokenizer.encode(rendered, add_bos=add_bos, special=True)

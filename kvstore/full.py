@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .knobs import PolicyConfig
 from .policy import KVPolicy
 
 
@@ -9,3 +12,11 @@ class FullPolicy(KVPolicy):
     """Keeps every position (through the host store; on CUDA the offloaded-full baseline when streamed)."""
 
     name = "full"
+
+
+@dataclass(frozen=True)
+class FullConfig(PolicyConfig):
+    """``full`` has no knob."""
+
+    def build(self) -> FullPolicy:
+        return FullPolicy()

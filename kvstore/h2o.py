@@ -9,9 +9,23 @@ split is 50/50 of the budget. With GQA, a KV head's score is the sum over its qu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .knobs import PolicyConfig, budget_knob, window_knob
 from .policy import KVPolicy, LayerView, grouped, keep_top, received_attention
+
+
+@dataclass(frozen=True)
+class H2OConfig(PolicyConfig):
+    """H2O's knobs (tokens); ``1 ≤ window < budget``."""
+
+    budget: int = budget_knob()
+    window: int | None = window_knob(None, "B / 2 (H2O's 50/50 split)")
+
+    def build(self) -> "H2OPolicy":
+        return H2OPolicy(self.budget, self.window)
 
 
 class H2OPolicy(KVPolicy):

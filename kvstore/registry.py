@@ -1,100 +1,273 @@
-"""``--policy`` names → policies, and the cache factory the torch backend plugs in.
+"""The one table of KV policies: ``--policy`` name → config, class and capabilities.
 
-Defaults (paper first, reference code second):
-    streaming  sink 4, window B − sink                         (StreamingLLM)
-    h2o        recent window B/2, heavy hitters B/2            (H2O's 50/50 split)
-    snapkv     observation window min(32, B/2), pool 5, buffer 128 (SnapKV; buffer as R-KV)
-    rkv        window 8, λ 0.1, pool 7, buffer 128             (R-KV paper; code λ 0.07)
-    sumr/zoomr window 128, k 2, c 2, summaries auto            (ZoomR; the paper's analysis uses a
-               512-token window at 16K tokens, 128 suits the short generations of small models)
-``--budget`` applies to streaming, h2o, snapkv and rkv; SumR and ZoomR are not budgeted (their active
-size follows from the segments; the paper gives the baselines ZoomR's measured budget).
+Everything that lists or checks policies reads :data:`REGISTRY`: the CLI's ``--policy`` choices and knob
+flags, bench's cells and knob checks, KV-Rescue's base-policy choices, the llama.cpp backend's support
+check and README's policy table (:func:`policy_table_markdown`). Adding a policy is one new file (its
+:class:`~zoomr.kvstore.knobs.PolicyConfig` with its own knobs, and its
+:class:`~zoomr.kvstore.policy.KVPolicy`) plus one entry in the table below.
+
+Defaults and their sources sit with each config's knobs (the policy files); README's table shows them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .cache import OFFLOAD_MODES, PolicyKVCache
 from .events import EventBus
-from .full import FullPolicy
-from .h2o import H2OPolicy
+from .full import FullConfig, FullPolicy
+from .h2o import H2OConfig, H2OPolicy
+from .knobs import Knob, KnobInfo, PolicyConfig, flag, knobs_of
 from .policy import KVPolicy
-from .rkv import RKVPolicy
-from .segments import SUMMARY_MODES
-from .snapkv import SnapKVPolicy
-from .streaming import StreamingPolicy
-from .sumr import SumRPolicy
-from .zoomr import ZoomRPolicy
+from .rkv import RKVConfig, RKVPolicy
+from .snapkv import SnapKVConfig, SnapKVPolicy
+from .streaming import StreamingConfig, StreamingPolicy
+from .sumr import SumRConfig, SumRPolicy
+from .zoomr import ZoomRConfig, ZoomRPolicy
 
-POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
-SEGMENTED = ("sumr", "zoomr")
-BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
-# which policies read each knob of PolicySpec (the others ignore it); the bench says so instead of silently
-# applying a knob to a policy that has no such thing
-KNOB_POLICIES = {
-    "budget": BUDGETED,
-    "window": ("streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr"),
-    "sink": ("streaming",),
-    "topk_per_head": ("zoomr",),
-    "consensus": ("zoomr",),
-    "summaries": SEGMENTED,
-}
+BACKENDS = ("torch", "llamacpp")
+REFERENCE = "full"  # evicts nothing: the yardstick of fidelity, and the full-KV helper of KV-Rescue
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """The ``--policy`` family of options (units: tokens).
+class PolicyInfo:
+    """One row of the registry.
 
     Attributes:
-        name: one of :data:`POLICY_NAMES`.
-        budget: B (``--budget``), for streaming, h2o, snapkv, rkv.
-        window: ``--window``; None = the policy's default (see the module docstring).
-        topk_per_head, consensus: ZoomR's k and c.
-        sink: StreamingLLM's sink tokens.
-        summaries: ``model``, ``prompted`` or ``auto`` (SumR, ZoomR).
+        name: the ``--policy`` name (the policy class's ``name``).
+        config: the policy's config dataclass; its fields are the policy's knobs.
+        policy: the policy class (:meth:`PolicyConfig.build` makes one).
+        summary: what the policy keeps, one line (README, ``--help``).
+        scores: the attention signal it ranks positions by, e.g. "accumulated attention scores"; empty
+            when it needs only the tokens and their text.
+        host_store: positions it evicted can come back, so every K/V must stay in the host store.
+        backends: the backends that implement it (of :data:`BACKENDS`).
+    """
+
+    name: str
+    config: type[PolicyConfig]
+    policy: type[KVPolicy]
+    summary: str
+    scores: str = ""
+    host_store: bool = False
+    backends: tuple[str, ...] = ("torch",)
+
+    @property
+    def knobs(self) -> tuple[Knob, ...]:
+        """The config's knobs, in declaration order."""
+        return knobs_of(self.config)
+
+    @property
+    def knob_names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.knobs)
+
+    @property
+    def budgeted(self) -> bool:
+        """Evicts down to ``--budget`` (the others size themselves: full keeps all, SumR/ZoomR follow segments)."""
+        return "budget" in self.knob_names
+
+    @property
+    def needs_scores(self) -> bool:
+        return bool(self.scores)
+
+    @property
+    def evicts(self) -> bool:
+        return self.name != REFERENCE
+
+
+REGISTRY: dict[str, PolicyInfo] = {}
+
+
+@dataclass(frozen=True)
+class KnobFlag:
+    """One command-line flag of the policy knobs: every policy with a knob of this name reads it.
+
+    Attributes:
+        name: the knob's name (``topk_per_head``); flag: ``--topk-per-head``.
+        type: the value type; info: meaning and range (the first policy's, in table order; all agree on
+            the range, see :func:`register`).
+        default: the readers' common default, or None when they differ (each then uses its own).
+        readers: the policies that have this knob.
+    """
+
+    name: str
+    type: type
+    info: KnobInfo
+    default: Any
+    readers: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return flag(self.name)
+
+    def check(self, value: Any) -> None:
+        """Raise ``ValueError`` naming the flag when ``value`` is outside the knob's range."""
+        self.info.check(self.flag, value)
+
+
+def knob_flags() -> dict[str, KnobFlag]:
+    """Every knob of every registered policy, by name, in table order (first appearance)."""
+    seen: dict[str, list[tuple[str, Knob]]] = {}
+    for name, info in REGISTRY.items():
+        for k in info.knobs:
+            seen.setdefault(k.name, []).append((name, k))
+    out = {}
+    for knob_name, rows in seen.items():
+        first = rows[0][1]
+        defaults = {repr(k.default) for _, k in rows}
+        out[knob_name] = KnobFlag(knob_name, first.type, first.info, first.default if len(defaults) == 1 else None,
+                                  tuple(n for n, _ in rows))
+    return out
+
+
+def register(info: PolicyInfo) -> PolicyInfo:
+    """Add a policy to :data:`REGISTRY`.
+
+    Raises:
+        ValueError: a name taken or not the class's, an unknown backend, or a knob that another policy
+            has with another type or range (they share one flag).
+        TypeError: a config field not declared with :func:`zoomr.kvstore.knobs.knob`.
+    """
+    if info.name in REGISTRY:
+        raise ValueError(f"policy {info.name!r} is registered already")
+    if info.policy.name != info.name:
+        raise ValueError(f"policy {info.name!r}: its class is named {info.policy.name!r}")
+    if not info.backends or set(info.backends) - set(BACKENDS):
+        raise ValueError(f"policy {info.name!r}: backends must be among {', '.join(BACKENDS)}, got {info.backends}")
+    shared = knob_flags()
+    for k in info.knobs:
+        other = shared.get(k.name)
+        if other is not None and (other.type, _range(other.info)) != (k.type, _range(k.info)):
+            raise ValueError(f"policy {info.name!r}: {k.flag} must have the type and range it has for "
+                             f"{', '.join(other.readers)} (one flag serves them all)")
+    REGISTRY[info.name] = info
+    return info
+
+
+def _range(info: KnobInfo) -> tuple:
+    return info.minimum, info.choices, info.tokens
+
+
+for _row in (
+    PolicyInfo("full", FullConfig, FullPolicy, "everything: no eviction (the reference)",
+               backends=("torch", "llamacpp")),
+    PolicyInfo("streaming", StreamingConfig, StreamingPolicy, "attention sinks + the most recent tokens (StreamingLLM)",
+               backends=("torch", "llamacpp")),
+    PolicyInfo("h2o", H2OConfig, H2OPolicy, "heavy hitters by accumulated attention + recent tokens (H2O)",
+               scores="accumulated attention scores"),
+    PolicyInfo("snapkv", SnapKVConfig, SnapKVPolicy, "per KV head top keys by pooled observation-window attention "
+               "+ the window (SnapKV)", scores="attention of an observation window"),
+    PolicyInfo("rkv", RKVConfig, RKVPolicy, "per KV head top keys by attention mixed with key redundancy, "
+               "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity"),
+    PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
+               "(ZoomR's SumR ablation)", host_store=True, backends=("torch", "llamacpp")),
+    PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "
+               "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head",
+               host_store=True),
+):
+    register(_row)
+
+POLICIES = tuple(REGISTRY)  # the shipped policies (policy_names() also lists those registered later)
+
+
+def policy_info(name: str) -> PolicyInfo:
+    """The registry row of ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"--policy {name!r} unknown (choose from {', '.join(REGISTRY)})") from None
+
+
+def policy_names(backend: str | None = None) -> tuple[str, ...]:
+    """Every policy name, in table order; only those ``backend`` implements when given."""
+    return tuple(n for n, i in REGISTRY.items() if backend is None or backend in i.backends)
+
+
+def evicting(backend: str | None = None) -> tuple[str, ...]:
+    """The policies that evict (all but :data:`REFERENCE`), only those ``backend`` implements when given."""
+    return tuple(n for n in policy_names(backend) if REGISTRY[n].evicts)
+
+
+def budgeted() -> tuple[str, ...]:
+    """The policies that read ``--budget``."""
+    return tuple(n for n, i in REGISTRY.items() if i.budgeted)
+
+
+def check_backend(name: str, backend: str) -> PolicyInfo:
+    """The row of ``name``, if ``backend`` implements it.
+
+    Raises:
+        ValueError: an unknown policy, or one the backend does not run (naming what it needs and the
+            policies the backend does run).
+    """
+    info = policy_info(name)
+    if backend in info.backends:
+        return info
+    runs = ", ".join(policy_names(backend))
+    other = info.backends[0]
+    if backend == "llamacpp" and info.needs_scores:
+        why = f"needs {info.scores}, which llama.cpp does not expose"
+    else:
+        why = f"has no {backend} implementation"
+    raise ValueError(f"--policy {name} {why}; the {backend} backend supports {runs} (use --backend {other} for {name})")
+
+
+@dataclass(frozen=True, init=False)
+class PolicySpec:
+    """A policy by name, the knobs given (the others keep the policy's defaults) and where its K/V lives.
+
+    ``PolicySpec("rkv", 16)``, ``PolicySpec("zoomr", window=16, consensus=1)``; the budget, the knob most
+    policies share, may be given by position. Nothing is checked until :meth:`config` or :meth:`build`.
+
+    Attributes:
+        name: a :data:`REGISTRY` name.
+        knobs: {knob name: value} given (units: see each config; tokens for budget, window, sink).
         offload: ``resident`` or ``stream`` (see :class:`zoomr.kvstore.cache.PolicyKVCache`).
     """
 
-    name: str = "full"
-    budget: int = 64
-    window: int | None = None
-    topk_per_head: int = 2
-    consensus: int = 2
-    sink: int = 4
-    summaries: str = "auto"
-    offload: str = "resident"
+    name: str
+    knobs: dict
+    offload: str
+
+    def __init__(self, name: str = REFERENCE, budget: int | None = None, *, offload: str = "resident", **knobs):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "knobs", {k: v for k, v in {"budget": budget, **knobs}.items() if v is not None})
+        object.__setattr__(self, "offload", offload)
+
+    def with_knobs(self, **knobs) -> "PolicySpec":
+        """The same spec with ``knobs`` set (None: back to the policy's default)."""
+        merged = {**self.knobs, **knobs}
+        return PolicySpec(self.name, offload=self.offload, **merged)
+
+    def config(self) -> PolicyConfig:
+        """The policy's config with these knobs.
+
+        Raises:
+            ValueError: unknown name, or a knob out of range (one message naming the flag).
+            TypeError: a knob this policy does not have (as for an unexpected keyword argument).
+        """
+        info = policy_info(self.name)
+        extra = [k for k in self.knobs if k not in info.knob_names]
+        if extra:
+            raise TypeError(f"{self.name} has no knob {extra[0]!r} (its knobs: {', '.join(info.knob_names) or 'none'})")
+        return info.config(**self.knobs)
 
     def build(self) -> KVPolicy:
         """A fresh policy for one cache.
 
         Raises:
-            ValueError: unknown name, summaries mode or offload mode, or knobs out of range (one message).
+            ValueError: see :meth:`config`; an unknown offload mode; knobs that do not fit together.
+            TypeError: see :meth:`config`.
         """
-        if self.name not in POLICY_NAMES:
-            raise ValueError(f"--policy {self.name!r} unknown (choose from {', '.join(POLICY_NAMES)})")
-        if self.summaries not in SUMMARY_MODES:
-            raise ValueError(f"--summaries {self.summaries!r} unknown (choose from {', '.join(SUMMARY_MODES)})")
+        config = self.config()
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"offload {self.offload!r} unknown (choose from {', '.join(OFFLOAD_MODES)})")
-        if self.budget < 1:
-            raise ValueError(f"--budget must be at least 1 token, got {self.budget}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"--window must be at least 1 token, got {self.window}")
-        w = self.window
-        if self.name == "full":
-            return FullPolicy()
-        if self.name == "streaming":
-            return StreamingPolicy(self.budget, self.sink, w)
-        if self.name == "h2o":
-            return H2OPolicy(self.budget, w)
-        if self.name == "snapkv":
-            return SnapKVPolicy(self.budget, w)
-        if self.name == "rkv":
-            return RKVPolicy(self.budget, w)
-        if self.name == "sumr":
-            return SumRPolicy(128 if w is None else w, self.summaries)
-        return ZoomRPolicy(128 if w is None else w, self.topk_per_head, self.consensus, self.summaries)
+        return config.build()
 
 
 class PolicyCacheFactory:
@@ -119,3 +292,24 @@ class PolicyCacheFactory:
         cfg = backend.cfg
         return PolicyKVCache(self.spec.build(), cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                              backend.device, backend.dtype, self.spec.offload, self.events)
+
+
+def policy_table_markdown() -> str:
+    """README's policy table, rendered from :data:`REGISTRY` (one row per policy, its knobs with defaults)."""
+    lines = ["| `--policy` | keeps | knobs: default (source) | budget | attention scores | host store | backends |",
+             "|---|---|---|---|---|---|---|"]
+    for name, info in REGISTRY.items():
+        knobs = " · ".join(_knob_cell(k) for k in info.knobs) or "—"
+        lines.append(f"| `{name}` | {info.summary} | {knobs} | {_yes(info.budgeted)} | {info.scores or 'no'} | "
+                     f"{_yes(info.host_store)} | {', '.join(info.backends)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _knob_cell(k: Knob) -> str:
+    default = "" if k.default is None else str(k.default)
+    source = k.info.source if default == "" else (f"({k.info.source})" if k.info.source else "")
+    return " ".join(part for part in (f"`{k.flag}`", default, source) if part)
+
+
+def _yes(flag_value: bool) -> str:
+    return "yes" if flag_value else "no"

@@ -17,9 +17,12 @@ Compression runs when B + buffer positions are attended, so the cache moves betw
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from .knobs import PolicyConfig, budget_knob, window_knob
 from .policy import KVPolicy, LayerView, QueryWindow, grouped, keep_top
 
 
@@ -40,6 +43,18 @@ def redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
     newest_dup = torch.where(sim > threshold, idx, torch.zeros_like(idx)).amax(dim=-1, keepdim=True)
     sim.scatter_(-1, newest_dup, 0.0)
     return sim.mean(dim=1).softmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class RKVConfig(PolicyConfig):
+    """R-KV's knobs (tokens); ``window < budget``. λ 0.1, pool width 7 and buffer 128 are fixed."""
+
+    budget: int = budget_knob()
+    window: int = window_knob(8, "R-KV", "observation window: the newest queries, "
+                                     "always kept (tokens)")
+
+    def build(self) -> "RKVPolicy":
+        return RKVPolicy(self.budget, self.window)
 
 
 class RKVPolicy(KVPolicy):

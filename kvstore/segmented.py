@@ -22,6 +22,10 @@ from .events import RecomputeEvent
 from .policy import ForwardInfo, KVPolicy
 from .segments import Segment, SegmentTracker, ends_at_boundary
 
+# SumR's and ZoomR's default --window (tokens) and where it comes from
+WINDOW = 128
+WINDOW_SOURCE = "ZoomR's analysis: 512 at 16K tokens; 128 suits short generations"
+
 
 class SegmentedPolicy(KVPolicy, abc.ABC):
     """Base of SumR and ZoomR.

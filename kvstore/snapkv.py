@@ -11,10 +11,25 @@ moves between B and B + buffer. With GQA a KV head scores keys by the mean over 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from .knobs import PolicyConfig, budget_knob, window_knob
 from .policy import KVPolicy, LayerView, QueryWindow, attention_probs, grouped, keep_top
+
+
+@dataclass(frozen=True)
+class SnapKVConfig(PolicyConfig):
+    """SnapKV's knobs (tokens); ``1 ≤ window < budget``. Pool width 5 and buffer 128 are fixed."""
+
+    budget: int = budget_knob()
+    window: int | None = window_knob(None, "min(32, B / 2) (SnapKV: 32)",
+                                     "observation window: the newest queries, always kept (tokens)")
+
+    def build(self) -> "SnapKVPolicy":
+        return SnapKVPolicy(self.budget, self.window)
 
 
 class SnapKVPolicy(KVPolicy):

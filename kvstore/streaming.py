@@ -8,9 +8,25 @@ keys keep their original positions (the common simplification), so no re-rotatio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .knobs import PolicyConfig, budget_knob, knob, window_knob
 from .policy import ForwardInfo, KVPolicy
+
+
+@dataclass(frozen=True)
+class StreamingConfig(PolicyConfig):
+    """StreamingLLM's knobs (tokens); ``sink + window ≤ budget``."""
+
+    budget: int = budget_knob()
+    sink: int = knob(4, "attention-sink tokens kept at the start", minimum=0, tokens=True,
+                     source="StreamingLLM")
+    window: int | None = window_knob(None, "B − sink (StreamingLLM)")
+
+    def build(self) -> "StreamingPolicy":
+        return StreamingPolicy(self.budget, self.sink, self.window)
 
 
 class StreamingPolicy(KVPolicy):

@@ -7,7 +7,21 @@ queries are scored, so the same rule works on a backend without attention scores
 
 from __future__ import annotations
 
-from .segmented import SegmentedPolicy
+from dataclasses import dataclass
+
+from .knobs import PolicyConfig, summaries_knob, window_knob
+from .segmented import WINDOW, WINDOW_SOURCE, SegmentedPolicy
+
+
+@dataclass(frozen=True)
+class SumRConfig(PolicyConfig):
+    """SumR's knobs; its active size follows from the segments (no budget)."""
+
+    window: int = window_knob(WINDOW, WINDOW_SOURCE)
+    summaries: str = summaries_knob()
+
+    def build(self) -> "SumRPolicy":
+        return SumRPolicy(self.window, self.summaries)
 
 
 class SumRPolicy(SegmentedPolicy):

@@ -16,12 +16,29 @@ Source: ZoomR paper §3.3 and Algorithm 1.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
+from .knobs import PolicyConfig, knob, summaries_knob, window_knob
 from .policy import LayerView
-from .segmented import SegmentedPolicy
+from .segmented import WINDOW, WINDOW_SOURCE, SegmentedPolicy
 from .segments import Segment
+
+
+@dataclass(frozen=True)
+class ZoomRConfig(PolicyConfig):
+    """ZoomR's knobs; its active size follows from the segments (no budget)."""
+
+    window: int = window_knob(WINDOW, WINDOW_SOURCE)
+    topk_per_head: int = knob(2, "summaries each layer and query head votes for (k)", minimum=1,
+                              source="ZoomR §3.3")
+    consensus: int = knob(2, "most-voted segments zoomed in to their full tokens (c)", minimum=0,
+                          source="ZoomR §3.3")
+    summaries: str = summaries_knob()
+
+    def build(self) -> "ZoomRPolicy":
+        return ZoomRPolicy(self.window, self.topk_per_head, self.consensus, self.summaries)
 
 
 class ZoomRPolicy(SegmentedPolicy):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -38,12 +41,68 @@ def torch_backend(embedded_path):
 
 
 @pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory, embedded_path) -> Path:
+    """A HF tokenizer directory (tokenizer.json + tokenizer_config.json) converted from the embedded GGUF."""
+    out = tmp_path_factory.mktemp("smollm2-hf-tokenizer")
+    write_hf_tokenizer(embedded_path, out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def gguf_weights(embedded_path):
     """(config, float32 tensors) of the embedded model as the GGUF loader produces them."""
     from zoomr.backends.torch.weights import load_gguf
 
     cfg, tensors, _ = load_gguf(embedded_path)
     return cfg, tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVocab:
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    chat_template: str
+
+
+@functools.lru_cache(maxsize=2)  # reading the 49k-token arrays is the slow part: once per file
+def gguf_vocab(gguf_path: Path) -> GGUFVocab:
+    """The tokenizer fields of a GGUF file."""
+    import gguf
+
+    f = gguf.GGUFReader(str(gguf_path)).fields
+    return GGUFVocab(f["tokenizer.ggml.tokens"].contents(), f["tokenizer.ggml.token_type"].contents(),
+                     f["tokenizer.ggml.merges"].contents(), int(f["tokenizer.ggml.bos_token_id"].contents()),
+                     int(f["tokenizer.ggml.eos_token_id"].contents()), f["tokenizer.chat_template"].contents())
+
+
+def write_hf_tokenizer(gguf_path: Path, out: Path, config: dict | None = None, post_bos: bool = False) -> None:
+    """tokenizer.json / tokenizer_config.json from a GGUF vocabulary (byte-level BPE, SmolLM2's pre-tokenizer),
+    as llama.cpp's converter would have read them: control tokens are special added tokens.
+
+    Args:
+        config: entries to set in tokenizer_config.json (``add_bos_token`` ...).
+        post_bos: give tokenizer.json a post-processor that puts BOS in front of a sequence.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    v = gguf_vocab(gguf_path)
+    merges = [tuple(m.split(" ", 1)) for m in v.merges]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(v.tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(v.tokens, v.types) if ty == 3])
+    bos = v.tokens[v.bos_id]
+    if post_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, v.bos_id)])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": bos, "eos_token": v.tokens[v.eos_id], "add_bos_token": False,
+        "chat_template": v.chat_template, **(config or {})}))
 
 
 def zoomr_cmd() -> list[str]:

@@ -26,7 +26,7 @@ _EXPORTS = {
     "PolicyKVCache": "zoomr.kvstore.cache",
     "SamplingParams": "zoomr.backends.sampling",
     "RunOptions": "zoomr.options",
-    "POLICIES": "zoomr.options",
+    "POLICIES": "zoomr.kvstore.registry",
     "load": "zoomr.loading",
     "make_policy": "zoomr.loading",
     "solve_prompt": "zoomr.prompts",

@@ -6,17 +6,15 @@ from typing import Callable
 
 from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
+from zoomr.kvstore.registry import REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, policy_info
 
 from zoomr.errors import UserError
-from zoomr.options import POLICIES, RunOptions
+from zoomr.options import RunOptions
 
 
-def policy_spec(opts: RunOptions):
-    """The :class:`zoomr.kvstore.registry.PolicySpec` of ``opts``' policy and knobs (not validated)."""
-    from zoomr.kvstore.registry import PolicySpec
-
-    return PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
-                      opts.summaries)
+def policy_spec(opts: RunOptions) -> PolicySpec:
+    """``opts.policy`` with the knobs given that it has (not validated); the other knobs are other policies'."""
+    return PolicySpec(opts.policy, **opts.policy_knobs())
 
 
 def torch_cache_factory(opts: RunOptions):
@@ -25,12 +23,27 @@ def torch_cache_factory(opts: RunOptions):
     Raises:
         ValueError: bad policy knobs (checked here, before any model loads).
     """
-    from zoomr.kvstore.registry import PolicyCacheFactory
-
+    check_backend(opts.policy, "torch")
     spec = policy_spec(opts)
     spec.build()
     # full stays the plain on-device cache; every other policy attends through the offloaded store
-    return None if opts.policy == "full" else PolicyCacheFactory(spec)
+    return None if opts.policy == REFERENCE else PolicyCacheFactory(spec)
+
+
+def check_policy(opts: RunOptions) -> None:
+    """Build (and drop) ``opts.policy`` as ``opts.backend`` would, so bad knobs fail before any model loads.
+
+    Raises:
+        ValueError: a policy the backend cannot run, or knobs out of range.
+    """
+    opts.check_knobs()
+    check_backend(opts.policy, opts.backend)
+    if opts.backend == "llamacpp":
+        from zoomr.backends.llamacpp.policies import make_policy
+
+        make_policy(opts.policy, opts.ctx_size, **opts.policy_knobs())
+    else:
+        torch_cache_factory(opts)
 
 
 def _torch(opts: RunOptions) -> Backend:
@@ -57,8 +70,7 @@ def _llamacpp(opts: RunOptions) -> Backend:
     from zoomr.backends.llamacpp.engine import LlamaCppBackend
 
     return LlamaCppBackend(resolve_model(opts.model), n_ctx=opts.ctx_size, threads=opts.threads,
-                           n_gpu_layers=opts.n_gpu_layers, policy=opts.policy, budget=opts.budget,
-                           window=opts.window, sink=opts.sink, summaries=opts.summaries)
+                           n_gpu_layers=opts.n_gpu_layers, policy=opts.policy, **opts.policy_knobs())
 
 
 BACKENDS: dict[str, Callable[[RunOptions], Backend]] = {"torch": _torch, "llamacpp": _llamacpp}
@@ -68,13 +80,17 @@ def build_backend(opts: RunOptions) -> Backend:
     """The backend ``opts.backend`` names, with the model loaded.
 
     Raises:
-        UserError: unknown backend name.
+        UserError: unknown backend or policy name.
+        ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
         backends.models.ModelNotFound, backends.torch.weights.ModelLoadError (ValueError): bad model.
     """
     if opts.backend not in BACKENDS:
         raise UserError(f"--backend {opts.backend!r} unknown (choose from {', '.join(BACKENDS)})")
-    if opts.policy not in POLICIES:
-        raise UserError(f"--policy {opts.policy!r} unknown (choose from {', '.join(POLICIES)})")
+    try:
+        policy_info(opts.policy)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    opts.check_knobs()
     check_lengths(opts)
     return BACKENDS[opts.backend](opts)
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from zoomr.backends.sampling import SamplingParams
-
-POLICIES = ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
+from zoomr.kvstore.registry import knob_flags, policy_info
 
 
 @dataclass
 class RunOptions:
-    """Model, backend and sampling settings of one command invocation (units: tokens, threads)."""
+    """Model, backend, sampling and KV-policy settings of one command invocation (units: tokens, threads).
+
+    Attributes:
+        knobs: the policy knobs given, {knob name: value} (``{"window": 8}`` for ``--window 8``); a knob
+            not given keeps each policy's default. One command may hold knobs of several policies (bench,
+            rescue's base): each policy reads only its own (:meth:`policy_knobs`).
+    """
 
     model: Optional[str] = None
     backend: str = "torch"
@@ -30,12 +36,37 @@ class RunOptions:
     seed: int = 0
     ignore_eos: bool = False
     policy: str = "full"
-    budget: int = 64
-    window: Optional[int] = None
-    topk_per_head: int = 2
-    consensus: int = 2
-    sink: int = 4
-    summaries: str = "auto"
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+    def knob(self, name: str) -> Any:
+        """The value of knob ``name``: as given, else the policies' common default (None when they differ)."""
+        return self.knobs[name] if name in self.knobs else knob_flags()[name].default
+
+    def with_knobs(self, **knobs) -> "RunOptions":
+        """A copy with ``knobs`` set (None: not given)."""
+        merged = {k: v for k, v in {**self.knobs, **knobs}.items() if v is not None}
+        return dataclasses.replace(self, knobs=merged)
+
+    def check_knobs(self) -> None:
+        """Every knob given is some policy's and in its range, whichever policy will read it.
+
+        Raises:
+            ValueError: a knob no policy has, or a value out of range (naming the flag).
+        """
+        flags = knob_flags()
+        for name, value in self.knobs.items():
+            if name not in flags:
+                raise ValueError(f"policy knob {name!r} unknown (knobs: {', '.join(flags)})")
+            flags[name].check(value)
+
+    def policy_knobs(self, policy: str | None = None) -> dict[str, Any]:
+        """The knobs given that ``policy`` (default: :attr:`policy`) has; the others are not its own.
+
+        Raises:
+            ValueError: an unknown policy.
+        """
+        names = policy_info(self.policy if policy is None else policy).knob_names
+        return {k: v for k, v in self.knobs.items() if k in names}
 
     def sampling(self, default_temp: float) -> SamplingParams:
         """Validated sampling params; ``default_temp`` applies when ``--temp`` was not given.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from zoomr.backends.chat_template import encode_rendered, render_chat
-from zoomr.kvstore.registry import SEGMENTED
+from zoomr.backends.chat_prompt import encode_chat
+from zoomr.kvstore.registry import policy_info
 from zoomr.kvstore.segments import SUMMARY_INSTRUCTION
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -18,8 +18,10 @@ def solve_messages(problem: str, system: str | None = None) -> list[dict]:
 def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int]:
     """Token ids of a problem's chat prompt, ready to prefill (what solve, bench and rescue all prefill).
 
-    :func:`solve_messages` rendered with the model's own chat template (ChatML when it has none) and
-    tokenized with its control tokens; the generation prompt (the assistant turn's header) is included.
+    :func:`solve_messages` rendered with the model's own chat template (ChatML when it has none); control
+    tokens are parsed in the template's markup only, the problem and system message stay text
+    (:func:`zoomr.backends.chat_prompt.encode_chat`). The generation prompt (the assistant turn's header)
+    is included.
 
     Args:
         tokenizer: the model's tokenizer (``backend.tokenizer``).
@@ -30,13 +32,13 @@ def solve_prompt(tokenizer, problem: str, system: str | None = None) -> list[int
     Raises:
         zoomr.backends.chat_template.ChatTemplateError: the model's template does not render.
     """
-    return encode_rendered(tokenizer, render_chat(tokenizer, solve_messages(problem, system)))
+    return encode_chat(tokenizer, solve_messages(problem, system))
 
 
 def system_with_summaries(system: str | None, policy: str, summaries: str) -> str | None:
-    """The system message to use: with ``--summaries prompted`` under sumr/zoomr, the instruction asking the
-    model to write delimited summaries is appended (ZoomR §3.2: large models can do so when asked, without
-    fine-tuning)."""
-    if summaries != "prompted" or policy not in SEGMENTED:
+    """The system message to use: with ``--summaries prompted`` under a policy that reads ``--summaries``
+    (sumr, zoomr), the instruction asking the model to write delimited summaries is appended (ZoomR §3.2:
+    large models can do so when asked, without fine-tuning)."""
+    if summaries != "prompted" or "summaries" not in policy_info(policy).knob_names:
         return system
     return f"{system}\n\n{SUMMARY_INSTRUCTION}" if system else SUMMARY_INSTRUCTION

@@ -90,8 +90,11 @@ class LlamaCppBackend:
             it (streaming: sink + window + buffer); it then generates without limit.
         threads: CPU threads for decode and prefill (``-t``); None = all cores of this process.
         n_gpu_layers: layers offloaded to the GPU (``-ngl``, -1 = all); no effect on a CPU build.
-        policy, budget, window, sink, summaries, buffer: KV policy and its parameters (tokens), see
-            :mod:`zoomr.backends.llamacpp.policies`; ``full``, ``streaming`` and ``sumr`` are supported.
+        policy: KV policy, one the registry (:mod:`zoomr.kvstore.registry`) lists for llamacpp
+            (``full``, ``streaming``, ``sumr``); see :mod:`zoomr.backends.llamacpp.policies`.
+        buffer: streaming's eviction buffer (tokens).
+        knobs: the policy's knobs (``budget=64, sink=4, window=None`` for streaming; ``window``,
+            ``summaries`` for sumr); those not given keep the policy's defaults.
         max_sequences: llama.cpp sequence ids (``n_seq_max``): the parent plus the forks alive at
             once; a fork beyond it raises :class:`BackendError`. None: 8, or under an evicting policy
             as many as fit 8192 cells of private streams (at least 1).
@@ -115,9 +118,8 @@ class LlamaCppBackend:
     name = "llamacpp"
 
     def __init__(self, source: ModelSource, n_ctx: int = 4096, threads: int | None = None,
-                 n_gpu_layers: int = -1, policy: str = "full", budget: int = 64, window: int | None = None,
-                 sink: int = 4, summaries: str = "auto", buffer: int = STREAMING_BUFFER,
-                 max_sequences: int | None = None, kv_cells: int | None = None, n_batch: int = 512):
+                 n_gpu_layers: int = -1, policy: str = "full", *, buffer: int = STREAMING_BUFFER,
+                 max_sequences: int | None = None, kv_cells: int | None = None, n_batch: int = 512, **knobs):
         import llama_cpp
 
         self._model = self._ctx = self._batch = None  # for close() on any early exit
@@ -129,7 +131,7 @@ class LlamaCppBackend:
         if threads is not None and threads < 1:
             raise ValueError(f"-t must be >= 1, got {threads}")
         self.kv_events = EventBus()
-        self._new_policy = make_policy(policy, n_ctx, budget, window, sink, summaries, buffer, self.kv_events)
+        self._new_policy = make_policy(policy, n_ctx, buffer=buffer, events=self.kv_events, **knobs)
         self.policy_name = policy
         cap = self._new_policy().cap
         self.unified = not self._new_policy().evicts  # see the module docstring

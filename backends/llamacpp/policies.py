@@ -4,9 +4,10 @@ llama.cpp exposes no attention scores, queries or keys through its memory API, o
 operations on KV cells (``seq_rm``, ``seq_cp``, ``seq_add``). So this backend offers the policies
 that need nothing else: ``full`` (no eviction), ``streaming`` (attention sinks + recent tokens,
 StreamingLLM) and ``sumr`` (prompt + summaries + recent tokens, ZoomR's SumR ablation; see
-:mod:`zoomr.backends.llamacpp.sumr`). Policies that rank tokens by attention (h2o, snapkv, rkv) or by
-query·mean-key votes (zoomr) run on the torch backend; asking for them here is a ``ValueError``
-naming what is supported.
+:mod:`zoomr.backends.llamacpp.sumr`). Which policies run here, and what the others need, is the
+registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the knobs and their defaults
+are the policies' configs; asking for a policy that needs attention is a ``ValueError`` naming what
+is supported.
 
 A policy answers, for one sequence, which positions go and when. Positions are *absolute* (the
 index of a token in everything the sequence ever wrote), so a policy never sees the engine's
@@ -20,14 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from zoomr.kvstore.events import EventBus
-
-SUPPORTED = ("full", "streaming", "sumr")
-NEEDS_TORCH = {
-    "h2o": "accumulated attention scores",
-    "snapkv": "attention of an observation window",
-    "rkv": "attention scores and key similarity",
-    "zoomr": "queries and mean summary keys per layer and head",
-}
+from zoomr.kvstore.registry import PolicySpec, check_backend
 
 
 class CellPolicy(Protocol):
@@ -162,47 +156,55 @@ class StreamingPolicy:
 
 STREAMING_BUFFER = 16  # tokens between evictions, see StreamingPolicy
 
+Factory = Callable[[], CellPolicy]
 
-def _streaming(n_ctx: int, budget: int, window: int | None, sink: int, buffer: int) -> StreamingPolicy:
+
+def _full(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+    full = FullPolicy(n_ctx)
+    return lambda: full
+
+
+def _streaming(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     from zoomr.kvstore.streaming import streaming_window
 
-    window = streaming_window(budget, sink, window)
+    budget, sink = config.budget, config.sink
+    window = streaming_window(budget, sink, config.window)
     if buffer < 1:
         raise ValueError(f"streaming: the eviction buffer must be at least 1 token, got {buffer}")
     if sink + window + buffer > n_ctx:
         raise ValueError(f"streaming: --sink {sink} + --window {window} + {buffer} buffered tokens exceed -c {n_ctx}")
-    return StreamingPolicy(budget, sink, window, buffer)
+    streaming = StreamingPolicy(budget, sink, window, buffer)
+    return lambda: streaming
 
 
-def make_policy(name: str, n_ctx: int, budget: int = 64, window: int | None = None, sink: int = 4,
-                summaries: str = "auto", buffer: int = STREAMING_BUFFER,
-                events: EventBus | None = None) -> Callable[[], CellPolicy]:
+def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+    from .sumr import SumRCells
+
+    SumRCells(n_ctx, config.window, config.summaries)  # validate now, before the model loads
+    return lambda: SumRCells(n_ctx, config.window, config.summaries, events)
+
+
+# the llama.cpp implementation of each policy the registry lists for this backend
+CELL_POLICIES: dict[str, Callable[..., Factory]] = {"full": _full, "streaming": _streaming, "sumr": _sumr}
+
+
+def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events: EventBus | None = None,
+                **knobs) -> Factory:
     """A factory of per-sequence policies for ``--policy name``.
 
     Args:
-        name: policy name.
+        name: policy name, one the registry lists for llamacpp.
         n_ctx: most cells a sequence may hold (``-c``, tokens); an evicting policy must fit in it.
-        budget, window, sink, buffer: streaming (tokens); window None → budget - sink.
-        summaries: sumr's segmentation mode (``model``, ``prompted``, ``auto``); window None → 128.
+        buffer: streaming's tokens admitted between evictions (tokens).
         events: bus for sumr's recompute events (live display).
+        knobs: the policy's knobs (its config's fields, e.g. streaming's ``budget``, ``sink``, ``window``:
+            window None → budget − sink; sumr's ``window``, ``summaries``); the others keep its defaults.
     Raises:
-        ValueError: an unsupported policy (the message names the supported ones and why), or
-            parameters out of range or not fitting ``-c`` (one message each).
+        ValueError: an unsupported policy (the message names the supported ones and why), a knob the
+            policy does not have, or parameters out of range or not fitting ``-c`` (one message each).
     """
-    if name == "full":
-        full = FullPolicy(n_ctx)
-        return lambda: full
-    if name == "streaming":
-        streaming = _streaming(n_ctx, budget, window, sink, buffer)
-        return lambda: streaming
-    if name == "sumr":
-        from .sumr import SumRCells
-
-        w = SumRCells.DEFAULT_WINDOW if window is None else window
-        SumRCells(n_ctx, w, summaries)  # validate now, before the model loads
-        return lambda: SumRCells(n_ctx, w, summaries, events)
-    why = NEEDS_TORCH.get(name)
-    if why is not None:
-        raise ValueError(f"--policy {name} needs {why}, which llama.cpp does not expose; the llamacpp backend "
-                         f"supports {', '.join(SUPPORTED)} (use --backend torch for {name})")
-    raise ValueError(f"--policy {name!r} unknown (the llamacpp backend supports {', '.join(SUPPORTED)})")
+    check_backend(name, "llamacpp")
+    config = PolicySpec(name, **knobs).config()
+    if name not in CELL_POLICIES:
+        raise ValueError(f"--policy {name}: registered for llamacpp, but {__name__} has no implementation of it")
+    return CELL_POLICIES[name](config, n_ctx, buffer, events)

@@ -40,7 +40,6 @@ class SumRCells:
         ValueError: window out of range or an unknown summaries mode.
     """
 
-    DEFAULT_WINDOW = 128  # as kvstore.registry (sumr/zoomr)
     name = "sumr"
     evicts = True
     wants_text = True

@@ -22,7 +22,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from zoomr.backends.chat_template import encode_rendered, render_chat
+from zoomr.backends.chat_prompt import ChatPrompt, Markup, chat_prompt
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import HFTokenizer
 from zoomr.kvstore.base import FullKVCache
@@ -112,15 +112,21 @@ class ProcessRewardModel:
         """One line: model, device, dtype."""
         return f"PRM {self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
 
-    def conversation_text(self, question: str, steps: list[str]) -> str:
-        """The PRM's input text up to and including the last step's tag (the template's closing tokens come
-        later and cannot change the states before them: the model is causal). With no steps: up to the start
-        of the assistant's text."""
-        content = "".join(s.replace(STEP_TAG, "").strip() + STEP_TAG for s in steps)
+    def conversation(self, question: str, steps: list[str]) -> ChatPrompt:
+        """The PRM's input up to and including the last step's tag (the template's closing tokens come later
+        and cannot change the states before them: the model is causal). With no steps: up to the start of
+        the assistant's text. The question and steps stay text; only the template and the step tags give
+        control tokens."""
+        content: list = []
+        for s in steps:
+            content += [s.replace(STEP_TAG, "").strip(), Markup(STEP_TAG)]
         msgs = [{"role": "system", "content": PRM_SYSTEM}, {"role": "user", "content": question},
-                {"role": "assistant", "content": content + _CUT}]
-        text = render_chat(self.tokenizer, msgs, add_generation_prompt=False)
-        return text[:text.index(_CUT)]
+                {"role": "assistant", "content": content + [Markup(_CUT)]}]
+        return chat_prompt(self.tokenizer, msgs, add_generation_prompt=False).cut(_CUT)
+
+    def conversation_text(self, question: str, steps: list[str]) -> str:
+        """The text of :meth:`conversation`."""
+        return self.conversation(question, steps).text
 
     def rewards_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Score head: [N, H] final-norm hidden states → [N] P(positive), float32."""
@@ -148,7 +154,7 @@ class ProcessRewardModel:
         """
         if not steps:
             raise ValueError("step_rewards needs at least one step")
-        ids = encode_rendered(self.tokenizer, self.conversation_text(question, steps))
+        ids = self.conversation(question, steps).encode()
         hidden = self._hidden(ids, self._new_cache(), all_positions=True)
         at_tags = torch.tensor([i for i, t in enumerate(ids) if t == self.tag_id], device=self.device)
         return self.rewards_from_hidden(hidden[at_tags]).tolist()
@@ -164,8 +170,8 @@ class ProcessRewardModel:
         """
         if not steps:
             raise ValueError("last_step_reward needs at least one step")
-        prefix = encode_rendered(self.tokenizer, self.conversation_text(question, steps[:-1]))
-        full = encode_rendered(self.tokenizer, self.conversation_text(question, steps))
+        prefix = self.conversation(question, steps[:-1]).encode()
+        full = self.conversation(question, steps).encode()
         self.last_scored_tokens = len(full)
         if full[:len(prefix)] != prefix:  # the tokenizer merged across the boundary: no reuse possible
             return self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()

@@ -1,5 +1,6 @@
 """``zoomr chat`` in a real pseudo-terminal: question in, streamed answer out, /stats, /exit."""
 
+import contextlib
 import io
 import os
 import sys
@@ -10,15 +11,40 @@ import pytest
 from conftest import ROOT, sigint_default
 
 
-@pytest.mark.slow
-def test_chat_session_in_a_pty():
+def _fail(child, transcript: io.StringIO, e: Exception) -> None:
+    """End the test with what the terminal showed: the chat exited or stalled before the expected output."""
+    child.close()
+    pytest.fail(f"chat {'exited' if isinstance(e, pexpect.EOF) else 'stalled'} (exit status {child.exitstatus}, "
+                f"signal {child.signalstatus}) before the expected output; terminal:\n{transcript.getvalue()}",
+                pytrace=False)
+
+
+@contextlib.contextmanager
+def chat_session(*args: str):
+    """A ``zoomr chat`` child in a pseudo-terminal; /exit on leaving, and it must exit 0.
+
+    Every expect returns at once (pexpect.EOF) when the child exits: no wait on a dead chat.
+    """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb"}
     transcript = io.StringIO()
-    child = pexpect.spawn(sys.executable, ["-m", "zoomr", "chat", "--no-live", "-n", "400", "--temp", "0"],
-                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240,
-                          preexec_fn=sigint_default)
+    child = pexpect.spawn(sys.executable, ["-m", "zoomr", "chat", "--no-live", *args], cwd=str(ROOT), env=env,
+                          encoding="utf-8", timeout=240, preexec_fn=sigint_default)
     child.logfile_read = transcript
-    try:  # every expect returns at once (pexpect.EOF) when the child exits: no wait on a dead chat
+    try:
+        yield child
+        child.expect_exact("> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    except (pexpect.EOF, pexpect.TIMEOUT) as e:
+        _fail(child, transcript, e)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_chat_session_in_a_pty():
+    with chat_session("-n", "400", "--temp", "0") as child:
         child.expect_exact("> ")
         child.sendline("What is the capital of France?")
         child.expect("Paris")
@@ -42,16 +68,6 @@ def test_chat_session_in_a_pty():
         child.expect_exact("> ")
         child.sendline("/stats")
         child.expect("stop: interrupted")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
-    except (pexpect.EOF, pexpect.TIMEOUT) as e:
-        child.close()
-        pytest.fail(f"chat {'exited' if isinstance(e, pexpect.EOF) else 'stalled'} (exit status {child.exitstatus}, "
-                    f"signal {child.signalstatus}) before the expected output; terminal:\n{transcript.getvalue()}",
-                    pytrace=False)
-    finally:
-        child.close()
-    assert child.exitstatus == 0
 
 
 LEFT, UP = "\x1b[D", "\x1b[A"  # what a terminal sends for the arrow keys
@@ -64,12 +80,11 @@ def test_chat_edits_lines_recalls_history_and_resets_stats():
     The model's prompt length tells what it received: "abd", Left, "c" must prefill exactly as many tokens as
     "abcd" typed straight (the raw escape bytes would add tokens).
     """
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb"}
-    transcript = io.StringIO()
-    child = pexpect.spawn(sys.executable, ["-m", "zoomr", "chat", "--no-live", "-n", "4", "--temp", "0"],
-                          cwd=str(ROOT), env=env, encoding="utf-8", timeout=240, preexec_fn=sigint_default)
-    child.logfile_read = transcript
+    with chat_session("-n", "4", "--temp", "0") as child:
+        _edit_recall_reset(child)
 
+
+def _edit_recall_reset(child) -> None:
     def turn(keys: str) -> tuple[int, int, int]:
         """Send one line, then /stats: (last prefill tokens, turns, conversation prefill tokens)."""
         child.expect_exact("> ")
@@ -84,28 +99,16 @@ def test_chat_edits_lines_recalls_history_and_resets_stats():
         child.sendline("/reset")
         child.expect_exact("conversation reset")
 
-    try:
-        edited = turn("abd" + LEFT + "c")
-        reset()
-        assert turn("") == (0, 0, 0)        # /reset zeroed the counters (an empty line is no turn)
-        # history going back: /stats, /reset, /stats, "abcd" (empty lines are not kept)
-        recalled = turn(UP * 4)
-        reset()
-        typed = turn("abcd")
-        assert edited == recalled == typed and typed[1] == 1 and typed[0] == typed[2]
-        child.expect_exact("> ")
-        child.sendline("/help")
-        for command in ("/help", "/stats", "/reset", "/exit"):
-            child.expect_exact(command)
-        child.expect("editing: arrow keys")
-        child.expect_exact("> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
-    except (pexpect.EOF, pexpect.TIMEOUT) as e:
-        child.close()
-        pytest.fail(f"chat {'exited' if isinstance(e, pexpect.EOF) else 'stalled'} (exit status {child.exitstatus}, "
-                    f"signal {child.signalstatus}) before the expected output; terminal:\n{transcript.getvalue()}",
-                    pytrace=False)
-    finally:
-        child.close()
-    assert child.exitstatus == 0
+    edited = turn("abd" + LEFT + "c")
+    reset()
+    assert turn("") == (0, 0, 0)        # /reset zeroed the counters (an empty line is no turn)
+    # history going back: /stats, /reset, /stats, "abcd" (empty lines are not kept)
+    recalled = turn(UP * 4)
+    reset()
+    typed = turn("abcd")
+    assert edited == recalled == typed and typed[1] == 1 and typed[0] == typed[2]
+    child.expect_exact("> ")
+    child.sendline("/help")
+    for command in ("/help", "/stats", "/reset", "/exit"):
+        child.expect_exact(command)
+    child.expect("editing: arrow keys")

@@ -45,9 +45,9 @@ def test_bad_policy_knob_is_one_line_exit_2():
 
 
 @pytest.mark.parametrize("opts,needle", [
-    (RunOptions(policy="streaming", budget=8, window=8), "--sink 4 + --window 8"),
-    (RunOptions(policy="zoomr", summaries="bogus"), "--summaries"),
-    (RunOptions(policy="full", budget=0), "--budget"),
+    (RunOptions(policy="streaming", knobs={"budget": 8, "window": 8}), "--sink 4 + --window 8"),
+    (RunOptions(policy="zoomr", knobs={"summaries": "bogus"}), "--summaries"),
+    (RunOptions(policy="full", knobs={"budget": 0}), "--budget"),
 ])
 def test_factory_rejects_bad_knobs_before_loading_the_model(opts, needle):
     with pytest.raises(ValueError, match=needle.replace("+", r"\+")):

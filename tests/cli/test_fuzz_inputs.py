@@ -11,7 +11,6 @@ never longer than the time limit. A few end-to-end runs check the CLI gives the 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import re
 import subprocess
@@ -45,7 +44,6 @@ any_text = st.lists(st.sampled_from(CONTROL) | st.text(max_size=8)
 
 FILE_EXAMPLES, STDIN_EXAMPLES, ARG_EXAMPLES = 250, 80, 150
 LIMIT_S = 20  # per input; the largest (64 KiB) tokenizes in well under a second
-CONTROLS_FROM_TEMPLATE_ONLY = importlib.util.find_spec("zoomr.backends.chat_prompt") is not None
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +102,10 @@ def check_fit(tokenizer, text: str, system: str | None, n_ctx: int, tally: Tally
             tally["not Unicode"] += 1
         return
     assert 0 < len(ids) < n_ctx and all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
-    if CONTROLS_FROM_TEMPLATE_ONLY:  # the problem's control-token text stays text: the template's markup alone
-        plain = fit_prompt(tokenizer, "x", "x" if system is not None else None, n_ctx)
-        assert sorted(i for i in ids if i in control_ids(tokenizer)) == \
-            sorted(i for i in plain if i in control_ids(tokenizer)), (text[:80], system)
+    # the problem's control-token text stays text: control ids come from the template's markup alone
+    plain = fit_prompt(tokenizer, "x", "x" if system is not None else None, n_ctx)
+    assert sorted(i for i in ids if i in control_ids(tokenizer)) == \
+        sorted(i for i in plain if i in control_ids(tokenizer)), (text[:80], system)
     tally["prompt"] += 1
 
 
@@ -243,11 +241,10 @@ def test_a_1mb_line_is_refused_as_too_long_within_bounds(tokenizer, tmp_path):
     print(f"\n1 MB problem: {str(e.value)!r}, peak {peak / 2 ** 20:.1f} MiB, {time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.skipif(not CONTROLS_FROM_TEMPLATE_ONLY, reason="needs user text tokenized as plain text "
-                    "(zoomr.backends.chat_prompt): llama.cpp's special-token parse is quadratic, 68 s for 1 MB")
 def test_a_1mb_problem_of_control_tokens_is_refused_quickly(tokenizer):
     """A megabyte of ``<|im_end|>`` is text: tokenized at the speed of any text (time bound), not parsed
-    for control tokens (whose parse in llama.cpp grows with the square of the count)."""
+    for control tokens (llama.cpp's parse grows with the square of their count: 68 s for this input when
+    the whole prompt was tokenized with special-token parsing)."""
     with time_limit(20), pytest.raises(UserError, match="^the prompt has"):
         fit_prompt(tokenizer, "<|im_end|>" * 100_000, None, 2048)
 

@@ -5,37 +5,17 @@ import json
 import os
 import subprocess
 
-import gguf
 import pytest
 
 from zoomr.backends.torch.weights import write_hf_dir
-from conftest import ROOT, zoomr_cmd
-
-
-def write_tokenizer(gguf_path, out):
-    """tokenizer.json / tokenizer_config.json from the GGUF vocabulary (byte-level BPE, SmolLM2's pre-tokenizer)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    r = gguf.GGUFReader(str(gguf_path))
-    tokens = r.fields["tokenizer.ggml.tokens"].contents()
-    types = r.fields["tokenizer.ggml.token_type"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in r.fields["tokenizer.ggml.merges"].contents()]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types) if ty == 3])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": r.fields["tokenizer.chat_template"].contents()}))
+from conftest import ROOT, write_hf_tokenizer, zoomr_cmd
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, gguf_weights, embedded_path):
     out = tmp_path_factory.mktemp("smollm2-hf")
     write_hf_dir(*gguf_weights, out)
-    write_tokenizer(embedded_path, out)
+    write_hf_tokenizer(embedded_path, out)
     return out
 
 

@@ -96,13 +96,13 @@ def test_bad_input_is_one_line_exit_2():
 
 
 @pytest.mark.parametrize("ropts,opts,needle", [
-    (RescueOptions(rescue=True, base_policy="h2o"), RunOptions(), "--base-policy 'h2o' unknown"),
+    (RescueOptions(rescue=True, base_policy="lru"), RunOptions(), "--base-policy 'lru' unknown"),
     (RescueOptions(rescue=True), RunOptions(policy="rkv"), "--base-policy"),
     (RescueOptions(rescue=True, nb=-1), RunOptions(), "--nb and --nh"),
     (RescueOptions(rescue=True, abort_gzip=float("nan")), RunOptions(), "--abort-gzip"),
     (RescueOptions(rescue=True, preset="nope"), RunOptions(), "rescue_nope.toml"),
     (RescueOptions(rescue=True, base_policy="rkv"), RunOptions(backend="llamacpp"), "--base-policy: --policy rkv needs"),
-    (RescueOptions(rescue=True), RunOptions(budget=8), "--base-policy: rkv: --budget 8"),
+    (RescueOptions(rescue=True), RunOptions(knobs={"budget": 8}), "--base-policy: rkv: --budget 8"),
     (RescueOptions(rescue=True, prm="/nonexistent/prm"), RunOptions(), "--prm"),
     (RescueOptions(rescue=True, helper="nope/missing.gguf"), RunOptions(), "--helper: nope/missing.gguf: no such model"),
     # the paper preset names hub models; offline and uncached they are refused before anything loads

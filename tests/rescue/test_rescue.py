@@ -256,7 +256,7 @@ def test_trajectory_kv_is_a_per_token_time_average(torch_backend):
 
 def bench_cells(base, **flags) -> tuple[RescueCells, Problem, list[int]]:
     """The bench's rescue cells over the session's torch backend, with ``--rescue`` flags ``flags``."""
-    opts = RunOptions(ctx_size=base.n_ctx, device="cpu", dtype="fp32", top_k=20, budget=B)
+    opts = RunOptions(ctx_size=base.n_ctx, device="cpu", dtype="fp32", top_k=20, knobs={"budget": B})
     rplan, _ = plan(RescueOptions(rescue=True, **flags), opts)
     problem = Problem("0", QUESTION, "18")
     return RescueCells(base, opts, rplan), problem, solve_prompt(base.tokenizer, problem.question)

@@ -18,76 +18,26 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from zoomr.kvstore.registry import BUDGETED, KNOB_POLICIES
+from zoomr.kvstore.registry import REFERENCE, budgeted, knob_flags, policy_names
 
-from zoomr.evaluation.records import MATCHED, RecordLog, read_config, record_key, write_config
+from zoomr.evaluation.records import RecordLog, read_config, record_key, write_config
 from zoomr.evaluation.match import TOLERANCE, match_error, predict_budget
 from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.plots import write_plots
 from zoomr.evaluation.provenance import run_provenance
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
+from zoomr.evaluation.bench_plan import MATCHED, knob_scope, not_read, plan_cells, validate_cells
 from zoomr.evaluation.cells import run_cell, teacher_forced_fidelity
 from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
-from zoomr.factory import build_backend, check_lengths, policy_spec, torch_cache_factory, with_policy
-from zoomr.options import POLICIES, RunOptions
+from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
+from zoomr.options import RunOptions
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output
 from zoomr.rescue.plan import RescueOptions
 from zoomr.cli.rescue_options import rescue_options
 from zoomr.prompts import solve_prompt
-
-
-def plan_cells(policies: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
-    """(policy, budget) cells per problem, full first (the fidelity reference); unbudgeted policies once."""
-    cells = [("full", None)]
-    cells += [(p, None) for p in policies if p not in BUDGETED and p != "full"]
-    cells += [(p, b) for b in budgets for p in policies if p in BUDGETED]
-    return cells
-
-
-def validate_cells(cells: list[tuple[str, object]], opts: RunOptions) -> None:
-    """Build every cell's policy once, before the first cell runs, so a bad (policy, budget, knob) stops the
-    bench at once instead of after hours of finished cells. A matched cell is checked at the largest budget
-    (``-c``): its budget is chosen later inside the range its knobs allow.
-
-    Raises:
-        UserError: the first cell whose policy rejects its knobs, naming the cell.
-    """
-    for policy, budget in cells:
-        if policy not in KNOB_POLICIES["window"]:
-            continue  # full reads no knob; rescue cells: their base policy is checked by the rescue plan
-        b = opts.ctx_size if budget == MATCHED else (budget or opts.budget)
-        try:
-            torch_cache_factory(replace(opts, policy=policy, budget=b))
-        except ValueError as e:
-            cell = policy + ("" if budget is None else f" B={budget}")
-            raise UserError(f"cell {cell}: {e}") from None
-
-
-def knob_scope(chosen: list[str], opts: RunOptions) -> list[str]:
-    """Which of ``chosen`` each knob given on the command line applies to, as lines to show the user.
-
-    A knob no chosen policy reads is an error; one that only some read is applied to those alone (the
-    others have no such knob) and said so.
-
-    Raises:
-        UserError: a knob given that none of ``chosen`` reads.
-    """
-    defaults = RunOptions()
-    lines = []
-    for knob, takers in KNOB_POLICIES.items():
-        if knob == "budget" or getattr(opts, knob) == getattr(defaults, knob):
-            continue
-        flag = "--" + knob.replace("_", "-")
-        applies = [p for p in chosen if p in takers]
-        if not applies:
-            raise UserError(f"{flag} is read by {', '.join(takers)} only, and none of --policies is one of them")
-        if len(applies) < len(chosen):
-            lines.append(f"{flag} {getattr(opts, knob)} applies to {', '.join(applies)} only")
-    return lines
-
 
 def _cell(r: dict, key, fmt: str) -> str:
     value = key(r) if callable(key) else r.get(key)
@@ -160,7 +110,7 @@ def _rescue_table(rows: list[dict]) -> Table:
 
 def bench(
     budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several (default 64).")] = None,
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(POLICIES),
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(policy_names()),
     dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
                                          "path or a hub data set id.")] = "gsm8k",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N problems only.")] = None,
@@ -184,22 +134,23 @@ def bench(
     if show_datasets:
         _print_datasets(no_live)
         return 0
+    names = policy_names()
     chosen = [p.strip() for p in policies.split(",") if p.strip()]
-    bad = [p for p in chosen if p not in POLICIES]
+    bad = [p for p in chosen if p not in names]
     if not chosen:
-        raise UserError(f"--policies: give at least one of {', '.join(POLICIES)}")
+        raise UserError(f"--policies: give at least one of {', '.join(names)}")
     if bad:
-        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(POLICIES)})")
+        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
     if opts.backend != "torch":
         raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
     check_lengths(opts)
-    budgets = sorted(set(budget or [64]))
+    budgets = sorted(set(budget or [knob_flags()["budget"].default]))
     if min(budgets) < 1:
         raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
     if match_budget and budget:
         raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
-    if budget and not rescue.rescue and not any(p in BUDGETED for p in chosen):
-        raise UserError(f"--budget is read by {', '.join(BUDGETED)} only, and none of --policies is one of them")
+    if budget and not rescue.rescue and not set(chosen) & set(budgeted()):
+        raise UserError(not_read("--budget", budgeted()))
     if match_budget and "zoomr" not in chosen:
         raise UserError("--match-budget needs zoomr among --policies (its measured KV sets the budget)")
     sampling = opts.sampling(default_temp=0.0)
@@ -209,26 +160,26 @@ def bench(
               "n_predict": opts.n_predict, "ctx_size": opts.ctx_size, "sampling": vars(sampling),
               "ignore_eos": opts.ignore_eos,
               "match_budget": match_budget, "fidelity": fidelity,
-              "policy_knobs": {"window": opts.window, "sink": opts.sink, "topk_per_head": opts.topk_per_head,
-                               "consensus": opts.consensus, "summaries": opts.summaries}}
+              "policy_knobs": {k: opts.knob(k) for k in knob_flags() if k != "budget"}}
     rescue_plan = None
     if rescue.rescue:
         rescue_plan, config["rescue"] = plan_rescue_cells(rescue, opts)
     ui = Output(live=not no_live)
-    cells = plan_cells(chosen, [] if match_budget else budgets)
-    if match_budget:
-        cells = [c for c in cells if c[0] not in BUDGETED] + [(p, MATCHED) for p in chosen if p in BUDGETED]
+    cells = plan_cells(chosen, budgets, matched=match_budget)
+    rescue_base = None
     if rescue_plan is not None:
         cells += RescueCells.cells([MATCHED] if match_budget else budgets)
-    scope = knob_scope(chosen, opts)  # a knob no policy reads is named as such, before any cell is built
-    validate_cells(cells, opts)
+        rescue_base = rescue_plan.base_opts.policy
+    # a knob no policy reads is named as such, before any cell is built
+    scope = knob_scope(chosen + ([rescue_base] if rescue_base else []), opts)
+    validate_cells(cells, opts, rescue_base)
     for line in scope:
         ui.info(line)
     log = _open_log(out, config, resume)
     base = rescue_cells = None
     if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
         with ui.status("loading model…"):
-            base = build_backend(replace(opts, policy="full"))
+            base = build_backend(replace(opts, policy=REFERENCE))
         if rescue_plan is not None:
             with ui.status("loading helper and scorer…"):
                 rescue_cells = RescueCells(base, opts, rescue_plan)
@@ -269,7 +220,7 @@ def bench(
                     rec = run_matched(base, opts, policy, problem, ids, sampling, reference, _zoomr_record(log, problem.id))
                     budget_tokens, built = rec.pop("budget_tokens"), None
                 else:
-                    view = with_policy(base, replace(opts, policy=policy, budget=b or opts.budget))
+                    view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=b))
                     rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
                                           None if policy == "full" or not fidelity else reference,
                                           keep_logits=policy == "full" and fidelity, ignore_eos=opts.ignore_eos)
@@ -331,7 +282,7 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
     runs = []
     budget, simulated = predict_budget(spec, target, len(ids), n)
     while True:
-        view = with_policy(base, replace(opts, policy=policy, budget=budget))
+        view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=budget))
         rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None, ignore_eos=opts.ignore_eos)
         err = match_error(rec["mean_active_tokens"], target)
         runs.append((abs(err), budget, simulated, err, rec, view))

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from zoomr.backends.chat_template import encode_rendered, render_chat
+from zoomr.backends.chat_prompt import chat_prompt
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
@@ -84,15 +84,15 @@ class ChatSession:
     def _new_tokens(self, user_text: str) -> list[int]:
         tok = self.backend.tokenizer
         self.messages.append({"role": "user", "content": user_text})
-        text = render_chat(tok, self.messages, add_generation_prompt=True)
+        prompt = chat_prompt(tok, self.messages, add_generation_prompt=True)  # turns stay text, never control tokens
         held = tok.decode(self.seq.tokens)
-        if self.seq.tokens and text.startswith(held):
-            return tok.encode(text[len(held):], add_bos=False, special=True)
+        if self.seq.tokens and prompt.text.startswith(held):
+            return prompt.encode(start=len(held))
         if self.seq.tokens:
             self.rebuilds += 1
             self.backend.free(self.seq)
             self.seq = self.backend.new_sequence()
-        return encode_rendered(tok, text)
+        return prompt.encode()
 
     def ask(self, user_text: str, out: Output) -> GenerationStats:
         """Answer one user turn, streaming to ``out``; Ctrl-C keeps the partial answer in the conversation.

@@ -16,7 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from zoomr.options import POLICIES, RunOptions
+from zoomr.kvstore.registry import KnobFlag, knob_flags, policy_names
+from zoomr.options import RunOptions
 
 PANEL_MODEL = "Model and backend"
 PANEL_SAMPLING = "Sampling"
@@ -49,33 +50,39 @@ _OPTION_DECLS = {
     "ignore_eos": (bool, typer.Option("--ignore-eos", help="Never sample end-of-sequence: generate -n tokens "
                                       "(long-context measurements; not the rescue loop).",
                                       rich_help_panel=PANEL_SAMPLING)),
-    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(POLICIES)}.", rich_help_panel=PANEL_KV)),
-    "budget": (int, typer.Option("--budget", help="KV budget B of the evicting policies (tokens).",
+    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(policy_names())} (README: KV policies).",
                                  rich_help_panel=PANEL_KV)),
-    "window": (Optional[int], typer.Option("--window", help="Recent window w (tokens; default: the policy's own).",
-                                           rich_help_panel=PANEL_KV)),
-    "topk_per_head": (int, typer.Option("--topk-per-head", help="zoomr: summaries each layer/head votes for (k).",
-                                        rich_help_panel=PANEL_KV)),
-    "consensus": (int, typer.Option("--consensus", help="zoomr: most-voted summaries zoomed in (c).",
-                                    rich_help_panel=PANEL_KV)),
-    "sink": (int, typer.Option("--sink", help="streaming: attention-sink tokens kept at the start.",
-                               rich_help_panel=PANEL_KV)),
-    "summaries": (str, typer.Option("--summaries", help="zoomr/sumr segments: model (delimiters the model "
-                                    "writes), prompted, auto (paragraphs when none appear).", rich_help_panel=PANEL_KV)),
 }
+
+
+def knob_option(knob: KnobFlag):
+    """The Typer option of one policy knob: ``--window``, its readers in the help, its readers' common default
+    (None when they differ: each then keeps its own)."""
+    decl = knob.flag if knob.type is not bool else f"{knob.flag}/--no-{knob.flag[2:]}"
+    return (Optional[knob.type], typer.Option(decl, help=f"{', '.join(knob.readers)}: {knob.info.help}.",
+                                              show_default="each policy's own" if knob.default is None else True,
+                                              rich_help_panel=PANEL_KV))
+
+
+def knob_options() -> dict:
+    """``{knob name: (type, typer.Option)}`` for every knob of every registered policy (see :mod:`zoomr.kvstore.knobs`)."""
+    return {name: knob_option(k) for name, k in knob_flags().items()}
 
 
 def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = None, **defaults):
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
 
+    The policy knobs are generated from the policy registry (:func:`knob_options`); ``opts.knobs`` holds
+    those given.
+
     Args:
         exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
-            they keep RunOptions' defaults in ``opts``.
+            they keep RunOptions' defaults in ``opts`` (an excluded knob is not given).
         shown: what ``--help`` gives as the default of options the command resolves itself when they are
             not given (``--temp``: None in RunOptions, the command's own temperature), by option name.
         defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
     """
-    base = {f.name: f.default for f in fields(RunOptions)}
+    base = {f.name: f.default for f in fields(RunOptions) if f.name != "knobs"}
     base.update(defaults)
     decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
     for name, text in (shown or {}).items():
@@ -83,19 +90,27 @@ def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = 
         opt = copy.copy(opt)  # the declaration is shared by every command
         opt.show_default = text
         decls[name] = (typ, opt)
+    knobs = {k: v for k, v in knob_options().items() if k not in exclude}
+    clash = sorted(set(knobs) & set(base))
+    if clash:
+        raise TypeError(f"policy knob {clash[0]!r} has the name of a run option; rename the knob")
+    knob_defaults = {name: k.default for name, k in knob_flags().items() if name in knobs}
 
     def build(values: dict) -> RunOptions:
         given = values.get("n_gpu_layers") is not None
         if not given:
             values["n_gpu_layers"] = base["n_gpu_layers"]
-        opts = RunOptions(**values, **{name: base[name] for name in exclude})
+        # a knob at its readers' common default is each reader's default anyway: not given
+        knob_values = {k: values.pop(k) for k in knobs}
+        opts = RunOptions(**values, **{name: base[name] for name in exclude if name in base},
+                          knobs={k: v for k, v in knob_values.items() if v is not None and v != knob_defaults[k]})
         note = gpu_layers_note(opts, given)
         if note:
             print(f"zoomr: {note}", file=sys.stderr)
         return opts
 
     def wrap(fn):
-        return grouped_options(fn, "opts", decls, {**base, "n_gpu_layers": None}, build)
+        return grouped_options(fn, "opts", {**decls, **knobs}, {**base, "n_gpu_layers": None, **knob_defaults}, build)
 
     return wrap
 

@@ -91,13 +91,13 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
         base = for_flag("base", build_backend, plan.base_opts)
     with out.status("loading helper model…"):
         helper = for_flag("--helper", build_helper, base, plan.helper_opts)
-    base_system = system_with_summaries(system, plan.base_opts.policy, opts.summaries)
+    base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
     base_ids = solve_prompt(base.tokenizer, problem, base_system)
     helper_ids = solve_prompt(helper.tokenizer, problem, system)
 
     view = LiveView(out.out) if out.live else PlainView(out)
     ctrl_c = CtrlC()
-    settings = {"sampling": vars(sampler.params), "base_policy": plan.base_opts.policy, "budget": opts.budget,
+    settings = {"sampling": vars(sampler.params), "base_policy": plan.base_opts.policy, "budget": opts.knob("budget"),
                 "backend": opts.backend}
     with ctrl_c, (view if out.live else contextlib.nullcontext()):
         reason, transcript = rescue_once(base, helper, scorer, sampler, plan.config, problem, base_ids, helper_ids,

@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from zoomr.errors import UserError
-from zoomr.rescue.plan import BASE_POLICIES, RescueOptions
+from zoomr.kvstore.registry import evicting
+from zoomr.rescue.plan import RescueOptions
 
 from .options import grouped_options
 
@@ -21,8 +22,9 @@ def _opt(*names: str, help: str):
 _DECLS = {
     "rescue": (bool, _opt("--rescue", help="KV-Rescue: interleave steps of the evicted base (-m) and a "
                           "full-KV helper; each step's best candidate by --prm (default: helper log-likelihood).")),
-    "base_policy": (Optional[str], _opt("--base-policy", help=f"Base KV eviction: {', '.join(BASE_POLICIES)} "
-                                        "(default rkv; streaming on --backend llamacpp). Budget: --budget.")),
+    "base_policy": (Optional[str], _opt("--base-policy", help=f"Base KV eviction: {', '.join(evicting())} "
+                                        f"(llamacpp: {', '.join(evicting('llamacpp'))}; default rkv, streaming on "
+                                        "llamacpp). Budget: --budget.")),
     "helper": (Optional[str], _opt("--helper", help="Helper model, full KV (default: the embedded model).")),
     "prm": (Optional[str], _opt("--prm", help="Process reward model (HF dir or hub id, Qwen2.5-Math-PRM "
                                 "architecture). Default: helper mean log-likelihood.")),

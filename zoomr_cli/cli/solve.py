@@ -56,7 +56,7 @@ def solve(
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())
-    system = system_with_summaries(system, opts.policy, opts.summaries)
+    system = system_with_summaries(system, opts.policy, opts.knob("summaries"))
     if verbose:
         attach_live_events(kv_events(backend), out)
     result = solving.solve(backend, problem, system=system, sampling=sampling, n_predict=opts.n_predict,

@@ -18,8 +18,6 @@ ZoomR paper's "same budget" comparison is made here on what is measured, in two 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from zoomr.kvstore.cache import PolicyKVCache
@@ -56,7 +54,7 @@ def valid_budgets(spec: PolicySpec, upper: int) -> tuple[int, int] | None:
     """The smallest and largest budget in [1, ``upper``] that ``spec``'s knobs accept (tokens), or None."""
     def ok(b: int) -> bool:
         try:
-            replace(spec, budget=b).build()
+            spec.with_knobs(budget=b).build()
             return True
         except ValueError:
             return False
@@ -86,11 +84,11 @@ def predict_budget(spec: PolicySpec, target: float, prompt_tokens: int, generate
 
     def at(b: int) -> float:
         if b not in mean:
-            mean[b] = simulated_mean_active(replace(spec, budget=b), prompt_tokens, generated_tokens)
+            mean[b] = simulated_mean_active(spec.with_knobs(budget=b), prompt_tokens, generated_tokens)
         return mean[b]
 
     # bracket around the rule of thumb (mean ≈ B + slack/2 once the context exceeds B), then bisect
-    slack = replace(spec, budget=hi).build().slack
+    slack = spec.with_knobs(budget=hi).build().slack
     guess = min(max(round(target - slack / 2), lo), hi)
     step = 8
     a, b = guess, guess

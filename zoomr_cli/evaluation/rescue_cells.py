@@ -136,7 +136,7 @@ class RescueCells:
         Raises:
             KeyboardInterrupt: Ctrl-C during the cell (nothing of it is recorded).
         """
-        base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy, budget=budget))
+        base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy).with_knobs(budget=budget))
         helper_ids = solve_prompt(self.helper.tokenizer, problem.question)
         cap = max(len(base_ids), len(helper_ids)) + n_predict if n_predict > 0 else self.opts.ctx_size
         config = self.config(policy, min(cap, self.opts.ctx_size))

@@ -16,12 +16,13 @@ from typing import Optional
 
 from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
+from zoomr.factory import check_policy
+from zoomr.kvstore.registry import REFERENCE, REGISTRY, evicting
 from zoomr.options import RunOptions
 
 from .degeneration import DetectorConfig
 from .loop import RescueConfig
 
-BASE_POLICIES = ("rkv", "snapkv", "streaming", "zoomr")
 # values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
 DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
             "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "detector": True}
@@ -78,6 +79,9 @@ class RescuePlan:
 def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     """Resolve flags, preset and defaults; validate before any model is loaded.
 
+    The base policy is any evicting policy of the registry (:func:`zoomr.kvstore.registry.evicting`);
+    one the backend does not run is refused with the registry's reason.
+
     Raises:
         UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset.
         ValueError: bad counts or thresholds (see :meth:`RescueConfig.validate`).
@@ -88,7 +92,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
         given = getattr(ropts, name)
         return given if given is not None else preset.get(name, DEFAULTS.get(name))
 
-    if opts.policy != "full":
+    if opts.policy != REFERENCE:
         raise UserError(f"--policy {opts.policy}: with --rescue the base's eviction is --base-policy "
                         "(the helper always keeps full KV)")
     notes = []
@@ -97,18 +101,20 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
         policy = "streaming" if opts.backend == "llamacpp" else "rkv"
         if opts.backend == "llamacpp":
             notes.append("base policy streaming: R-KV needs attention scores, which llama.cpp does not expose")
-    if policy == "full":
-        raise UserError("--base-policy full: the base must evict (the helper is the full-KV model); "
-                        f"choose from {', '.join(BASE_POLICIES)}")
-    if policy not in BASE_POLICIES:
-        raise UserError(f"--base-policy {policy!r} unknown (choose from {', '.join(BASE_POLICIES)})")
+    choices = ", ".join(evicting(opts.backend))
+    if policy == REFERENCE:
+        raise UserError(f"--base-policy {REFERENCE}: the base must evict (the helper is the full-KV model); "
+                        f"choose from {choices}")
+    if policy not in REGISTRY:
+        raise UserError(f"--base-policy {policy!r} unknown (choose from {choices})")
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
                               pick("abort_gzip"), pick("gzip_window"))
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
                           detector=detector, early_exit=pick("detector")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
     base_opts = dataclasses.replace(opts, model=model, policy=policy)
-    helper_opts = dataclasses.replace(opts, model=pick("helper"), policy="full")
+    # the knobs are the base's: the helper keeps full KV
+    helper_opts = dataclasses.replace(opts, model=pick("helper"), policy=REFERENCE, knobs={})
     # a bad policy knob, a missing helper or PRM should fail now, not after a model has loaded
     for_flag("--base-policy", check_policy, base_opts)
     for_flag("-m", resolve_model, model)
@@ -116,23 +122,6 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     if pick("prm") is not None:
         for_flag("--prm", resolve_model, pick("prm"))
     return RescuePlan(config, base_opts, helper_opts, pick("prm"), notes)
-
-
-def check_policy(opts: RunOptions) -> None:
-    """Build (and drop) ``opts.policy`` as ``opts.backend`` would, so bad knobs fail before any model loads.
-
-    Raises:
-        ValueError: a policy the backend cannot run, or knobs out of range.
-    """
-    if opts.backend == "llamacpp":
-        from zoomr.backends.llamacpp.policies import make_policy
-
-        make_policy(opts.policy, opts.ctx_size, budget=opts.budget, window=opts.window, sink=opts.sink)
-    else:
-        from zoomr.kvstore.registry import PolicySpec
-
-        PolicySpec(opts.policy, opts.budget, opts.window, opts.topk_per_head, opts.consensus, opts.sink,
-                   opts.summaries).build()
 
 
 def for_flag(flag: str, build, *args):
