@@ -42,7 +42,7 @@ problem_bytes = st.lists(_piece, max_size=30).map(b"".join)
 any_text = st.lists(st.sampled_from(CONTROL) | st.text(max_size=8)
                     | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=12).map("".join)
 
-FILE_EXAMPLES, STDIN_EXAMPLES, ARG_EXAMPLES = 250, 80, 150
+FILE_EXAMPLES, STDIN_EXAMPLES, ARG_EXAMPLES = 200, 80, 120
 LIMIT_S = 20  # per input; the largest (64 KiB) tokenizes in well under a second
 
 

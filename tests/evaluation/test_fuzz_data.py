@@ -32,7 +32,7 @@ from zoomr.evaluation.datasets import KNOWN, DatasetError, load_problems, record
 from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.records import REQUIRED, RecordLog, read_config
 
-DATASET_EXAMPLES, RECORD_EXAMPLES, CONFIG_EXAMPLES = 300, 200, 150
+DATASET_EXAMPLES, RECORD_EXAMPLES, CONFIG_EXAMPLES = 250, 200, 100
 LIMIT_S = 5
 
 # Raw JSON values a field may be replaced with: wrong types, the limits of Python's JSON reader, lone
