@@ -12,7 +12,7 @@ from typing import Callable
 from zoomr.backends.base import Backend, KVStats
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler, SamplingParams
-from zoomr.errors import UserError
+from zoomr.errors import UserError, check_text
 from zoomr.grading import extract_answer
 from zoomr.prompts import solve_prompt
 
@@ -76,6 +76,30 @@ class SolveResult:
         }
 
 
+def fit_prompt(tokenizer, problem: str, system: str | None, n_ctx: int) -> list[int]:
+    """The solve prompt's token ids (:func:`zoomr.prompts.solve_prompt`), checked to leave room in the context
+    for at least one generated token: what :func:`solve` does before the model runs.
+
+    Args:
+        tokenizer: the model's tokenizer (``backend.tokenizer``).
+        problem: the problem text (no template); ``system``: an optional system message.
+        n_ctx: the context size (tokens).
+    Returns:
+        token ids (tokens), fewer than ``n_ctx``.
+    Raises:
+        UserError: the problem or system text is not valid Unicode (see :func:`zoomr.errors.check_text`), or
+            the prompt has ``n_ctx`` tokens or more.
+        zoomr.backends.chat_template.ChatTemplateError: the model's template does not render.
+    """
+    check_text(problem, "the problem")
+    if system is not None:
+        check_text(system, "the system message")
+    ids = solve_prompt(tokenizer, problem, system)
+    if len(ids) >= n_ctx:
+        raise UserError(f"the prompt has {len(ids)} tokens, more than -c {n_ctx} allows")
+    return ids
+
+
 def solve(backend: Backend, problem: str, *, system: str | None = None, sampling: SamplingParams | None = None,
           n_predict: int = 512, ignore_eos: bool = False,
           on_token: Callable[[str], None] | None = None) -> SolveResult:
@@ -99,15 +123,14 @@ def solve(backend: Backend, problem: str, *, system: str | None = None, sampling
     Returns:
         the :class:`SolveResult`.
     Raises:
-        UserError: the prompt does not fit the backend's context (``n_ctx`` tokens).
+        UserError: the prompt does not fit the backend's context (``n_ctx`` tokens), or its text is not
+            valid Unicode (see :func:`fit_prompt`).
         ValueError: invalid sampling values.
         zoomr.backends.base.BackendError: the model runtime failed.
     """
     params = (sampling or SamplingParams()).validate()
     sampler = Sampler(params)
-    ids = solve_prompt(backend.tokenizer, problem, system)
-    if len(ids) >= backend.n_ctx:
-        raise UserError(f"the prompt has {len(ids)} tokens, more than -c {backend.n_ctx} allows")
+    ids = fit_prompt(backend.tokenizer, problem, system, backend.n_ctx)
     gen = GenerationStats()
     seq = backend.new_sequence()
     try:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from zoomr.kvstore.registry import REFERENCE, budgeted, knob_flags, policy_names
 
-from zoomr.evaluation.records import RecordLog, record_key
+from zoomr.evaluation.records import RecordLog, read_config, record_key, write_config
 from zoomr.evaluation.match import TOLERANCE, match_error, predict_budget
 from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.plots import write_plots
@@ -185,7 +185,7 @@ def bench(
                 rescue_cells = RescueCells(base, opts, rescue_plan)
         _check_provenance(config, run_provenance(base.source.path))
         # only now, with every model loaded, does the folder take this run's settings
-        (out / "config.json").write_text(json.dumps(config, indent=2))
+        write_config(out / "config.json", config)
         ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
     else:  # a finished bench: the table and files come from the records alone, no model is loaded
         ui.info(f"{name}: every cell of {len(problems)} problems is already in {out}")
@@ -307,7 +307,7 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
 
     Raises:
         UserError: the folder cannot be made, holds records without --resume, or other settings.
-        ValueError: a records file that is not ours.
+        ValueError: a records file or config.json that is not ours.
     """
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -317,12 +317,7 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")
     if resume and cfg_path.exists():
-        try:
-            old = json.loads(cfg_path.read_text())
-            if not isinstance(old, dict):
-                raise ValueError("not an object")
-        except (UnicodeDecodeError, ValueError):
-            raise UserError(f"{cfg_path}: not a bench config (not JSON); remove it or choose another --out") from None
+        old = read_config(cfg_path)
         # a setting the old run did not have (e.g. --rescue added later) only adds cells: allowed
         diff = [k for k in config if k in old and old[k] != config[k]]
         if diff:

@@ -10,7 +10,12 @@ from zoomr.errors import UserError
 
 
 def read_text_input(path: str) -> str:
-    """Text of ``path`` (``-`` for stdin), UTF-8, non-empty.
+    """Text of ``path`` (``-`` for stdin), UTF-8, non-empty, stripped; a leading byte-order mark is dropped
+    and Windows line ends (CRLF) become ``\\n``, so a file saved on Windows is the same problem.
+
+    Memory: at the peak two copies, the bytes and the text or two texts (a 1 MB ASCII file holds about 2 MB
+    while it is read; Python stores every character of a text in 4 bytes once one lies beyond U+FFFF, so
+    the worst case is about 8 MB).
 
     Raises:
         UserError: missing file, a directory, unreadable, binary (NUL bytes or not UTF-8), or empty.
@@ -35,9 +40,13 @@ def read_text_input(path: str) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"{where}: not valid UTF-8 (byte {e.start})") from None
-    if not text.strip():
+    del data  # the bytes go before the copies below are made; one step at a time keeps two copies at most
+    text = text.removeprefix("\ufeff")
+    text = text.strip()
+    text = text.replace("\r\n", "\n")
+    if not text:
         raise UserError(f"{where}: is empty")
-    return text.strip()
+    return text
 
 
 def check_writable(path: str | None) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from zoomr import solving
-from zoomr.errors import UserError
+from zoomr.errors import UserError, check_text
 from zoomr.factory import build_backend
 from zoomr.kvstore.events import kv_events
 from zoomr.options import RunOptions
@@ -42,9 +42,11 @@ def solve(
         raise UserError("give the problem once: FILE, -f FILE or -p TEXT")
     if prompt is None and not sources:
         raise UserError("no problem given: zoomr solve FILE (or -, or -p TEXT)")
-    problem = prompt.strip() if prompt is not None else read_text_input(sources[0])
+    problem = check_text(prompt, "-p").strip() if prompt is not None else read_text_input(sources[0])
     if not problem:
         raise UserError("-p: the problem text is empty")
+    if system is not None:
+        check_text(system, "--system")
     check_writable(json_path)
     out = Output(live=not no_live, stdout_free=json_path == "-")
     if rescue.rescue:  # KV-Rescue lives in zoomr.cli.rescue; plain solve continues below

@@ -14,7 +14,7 @@ from zoomr.factory import torch_cache_factory
 from zoomr.kvstore.registry import REFERENCE, REGISTRY, knob_flags, policy_info
 from zoomr.options import RunOptions
 
-MATCHED = "matched"
+from zoomr.evaluation.records import MATCHED  # the record format owns the value
 
 
 def plan_cells(policies: list[str], budgets: list[int], matched: bool = False) -> list[tuple[str, int | str | None]]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from zoomr.errors import check_text
 from zoomr.grading import last_boxed
 
 KNOWN = ("gsm8k", "math500", "aime24", "amc23", "olympiadbench")
@@ -67,17 +68,35 @@ def _locate(name: str):
     return (SHIPPED, shipped) if shipped is not None else None
 
 
+# Largest data set read (bytes of JSONL, after gunzip): the test sets are a few MB; the bound keeps a corrupt
+# or hostile .jsonl.gz (a few KB that inflate to many GB) from exhausting memory. Reading peaks at about
+# four times the JSONL bytes (the bytes, their text, its lines, the problems), under eight at worst.
+MAX_DATASET_BYTES = 1 << 30
+_CHUNK = 1 << 20
+
+
 def _read_lines(f) -> list[str]:
     """Text lines of a JSONL file (``Path`` or ``Traversable``), gunzipped when its name ends in ``.gz``.
 
+    Lines end at ``\\n`` only (a ``\\r`` before it is JSON whitespace): U+2028 and the other separators
+    :meth:`str.splitlines` also splits at may stand unescaped inside a JSON string. A leading byte-order
+    mark is dropped.
+
     Raises:
-        DatasetError: unreadable, a broken gzip stream, or not UTF-8.
+        DatasetError: unreadable, a broken gzip stream, not UTF-8, or more than :data:`MAX_DATASET_BYTES`.
     """
     try:
-        data = f.read_bytes()
-        if f.name.endswith(".gz"):
-            data = gzip.decompress(data)
-        return data.decode("utf-8").splitlines()
+        with f.open("rb") as raw, (gzip.GzipFile(fileobj=raw) if f.name.endswith(".gz") else raw) as src:
+            # read (and inflated) in chunks: the bound holds before the memory is spent
+            parts, size = [], 0
+            while size <= MAX_DATASET_BYTES and (part := src.read(_CHUNK)):
+                parts.append(part)
+                size += len(part)
+        if size > MAX_DATASET_BYTES:
+            raise DatasetError(f"{f}: more than {MAX_DATASET_BYTES} bytes of JSONL, the limit of a data set")
+        data = b"".join(parts)
+        del parts
+        return data.decode("utf-8-sig").split("\n")
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
         raise DatasetError(f"{f}: cannot read ({e})") from None
 
@@ -102,7 +121,7 @@ def _gold(rec: dict) -> str:
         if isinstance(fa, str):
             try:
                 fa = ast.literal_eval(fa)
-            except (ValueError, SyntaxError):
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # not a literal: the text
                 return fa.strip()
         return ", ".join(str(x).strip() for x in fa) if isinstance(fa, (list, tuple)) else str(fa)
     if key == "answer":
@@ -140,19 +159,29 @@ def parse_records(lines, source: str) -> list[Problem]:
     """Problems from JSONL lines.
 
     Raises:
-        DatasetError: a line is not JSON or lacks a question/answer, naming ``source`` and the line.
+        DatasetError: a line is not JSON (or nested too deeply, or holds an integer of more than 4300 digits),
+            lacks a question/answer, or holds text that is not valid Unicode; naming ``source`` and the line.
     """
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except RecursionError:
+                raise DatasetError("JSON nested too deeply") from None
+            except ValueError as e:
+                if isinstance(e, json.JSONDecodeError):
+                    raise
+                raise DatasetError("a number of more than 4300 digits (Python's limit)") from None
             if not isinstance(rec, dict):
                 raise DatasetError(f"expected a JSON object per line, got {type(rec).__name__}")
             pid = str(rec.get("id", rec.get("unique_id", n - 1)))
-            out.append(Problem(id=pid, question=_question(rec), gold=_gold(rec)))
-        except (json.JSONDecodeError, DatasetError, AttributeError) as e:
+            problem = Problem(id=check_text(pid, "the id"), question=check_text(_question(rec), "the question"),
+                              gold=check_text(_gold(rec), "the answer"))
+            out.append(problem)
+        except (ValueError, AttributeError) as e:  # JSON errors and the checks above
             raise DatasetError(f"{source}:{n}: {e}") from None
     if not out:
         raise DatasetError(f"{source}: no problems")
@@ -206,7 +235,7 @@ def records(name: str) -> list[dict]:
     f = found[1]
     try:
         return [json.loads(line) for line in _read_lines(f) if line.strip()]
-    except json.JSONDecodeError as e:
+    except (ValueError, RecursionError) as e:
         raise DatasetError(f"{f}: {e}") from None
 
 

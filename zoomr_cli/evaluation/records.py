@@ -1,5 +1,6 @@
 """The bench's crash-safe record log: one JSON line per finished (problem, policy, budget), appended and
-fsynced as soon as it exists, so ``--resume`` after any crash or ``kill -9`` redoes nothing and loses nothing."""
+fsynced as soon as it exists, so ``--resume`` after any crash or ``kill -9`` redoes nothing and loses nothing;
+and the run's ``config.json``, read back checked and written atomically."""
 
 from __future__ import annotations
 
@@ -9,6 +10,76 @@ from pathlib import Path
 
 
 REQUIRED = {"problem_id", "policy", "budget", "correct", "mean_active_tokens", "tokens_generated"}
+MATCHED = "matched"  # the budget of a matched-budget cell (chosen per problem, see zoomr bench --match-budget)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# What the bench's table, summary and plots read from a record, by kind: a resumed file whose record breaks
+# one of these is refused when it is opened (line and field named) rather than failing after the new cells.
+_KINDS = {
+    "problem_id": (lambda v: isinstance(v, str), "a string"),
+    "policy": (lambda v: isinstance(v, str) and v != "", "a policy name"),
+    "budget": (lambda v: v is None or v == MATCHED or _count(v), f'a token count, null or "{MATCHED}"'),
+    "correct": (lambda v: isinstance(v, bool), "true or false"),
+    "mean_active_tokens": (_number, "a number"),
+    "tokens_generated": (_count, "a token count"),
+}
+_OPTIONAL_NUMBERS = ("fidelity_top1", "fidelity_kl", "peak_active_tokens", "bound_tokens", "mean_active_bytes",
+                     "full_bytes", "mean_full_bytes", "peak_active_bytes", "device_kv_bytes", "host_kv_bytes",
+                     "decode_tok_s", "n_boxed_distinct", "budget_tokens", "target_active_tokens", "match_error",
+                     "helper_share", "base_tokens", "method_kv_bytes_mean", "saving", "saving_peak")
+
+
+def _kind(v) -> str:
+    return "null" if v is None else {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+                                     list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def record_problem(line: str) -> str | None:
+    """Why one JSONL line is not a bench record (``None`` when it is one).
+
+    A record is a JSON object with every :data:`REQUIRED` field, each of its kind, and the numeric fields the
+    summaries average (``fidelity_*``, ``*_bytes``, ``decode_tok_s`` ...) numbers or null; ``active_trace``
+    (the plotted curve) a list of [generated tokens, active tokens] pairs.
+    """
+    try:
+        rec = json.loads(line)
+    except RecursionError:
+        return "JSON nested too deeply"
+    except ValueError:  # not JSON, or an integer of more than 4300 digits
+        return "not JSON"
+    if not isinstance(rec, dict):
+        return f"{_kind(rec)}, not an object"
+    missing = sorted(REQUIRED - rec.keys())
+    if missing:
+        return f"no {', '.join(missing)}"
+    for key, (ok, want) in _KINDS.items():
+        if not ok(rec[key]):
+            return f"{key} is {_kind(rec[key])}, expected {want}"
+    for key in _OPTIONAL_NUMBERS:
+        if rec.get(key) is not None and not _number(rec[key]):
+            return f"{key} is {_kind(rec[key])}, expected a number or null"
+    trace = rec.get("active_trace")
+    if trace is not None and not (isinstance(trace, list)
+                                  and all(isinstance(p, list) and len(p) == 2 and all(map(_number, p)) for p in trace)):
+        return "active_trace is not a list of [tokens, tokens] pairs"
+    return None
+
+
+def _parses(raw: bytes) -> bool:
+    """True when ``raw`` is UTF-8 JSON: what a write torn part-way through a line can never be."""
+    try:
+        json.loads(raw.decode("utf-8"))
+        return True
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
 
 
 def record_key(problem_id: str, policy: str, budget: int | None) -> tuple[str, str, int | None]:
@@ -19,13 +90,18 @@ def record_key(problem_id: str, policy: str, budget: int | None) -> tuple[str, s
 class RecordLog:
     """Append-only JSONL of bench records.
 
-    On open, a torn last line (the process died mid-write) is cut off, so every line in the file is a
-    complete record.
+    On open, every line is checked (:func:`record_problem`) before anything is changed: a file with a line
+    that is not a record is refused and left as it is. A last line without its ``\\n`` that is not UTF-8
+    JSON is a write the process died in, and is cut off; one that is JSON only lacks its line end (it is
+    kept and terminated when it is a record). Every line before it stays byte for byte as it was. Lines
+    end at ``\\n`` only: U+2028 and the other separators :meth:`str.splitlines` splits at may stand
+    unescaped in a record's text.
 
     Args:
         path: the ``records.jsonl`` file (created if missing).
     Raises:
-        ValueError: a complete line in the middle of the file is not JSON (the file is not ours).
+        ValueError: a line is not a bench record, or the file is not UTF-8 (it is not ours); one line
+            naming the file and the line.
     """
 
     def __init__(self, path: Path):
@@ -33,23 +109,31 @@ class RecordLog:
         self.records: list[dict] = []
         if path.exists():
             data = path.read_bytes()
-            good = data[: data.rfind(b"\n") + 1]
-            if len(good) != len(data):
-                with open(path, "r+b") as f:  # drop the torn tail
-                    f.truncate(len(good))
+            cut = data.rfind(b"\n") + 1
             try:
-                text = good.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}: not a bench record file (not UTF-8 text)") from None
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        rec = None
-                    if not isinstance(rec, dict) or not REQUIRED <= rec.keys():
-                        raise ValueError(f"{path}:{n}: not a bench record")
-                    self.records.append(rec)
+                text = data[:cut].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not a bench record file (not UTF-8 text at byte {e.start})") from None
+            lines = text.split("\n")[:-1]
+            for n, line in enumerate(lines, 1):
+                if line.strip(" \t\r"):  # JSON's whitespace: a blank line is no record, anything else must be one
+                    why = record_problem(line)
+                    if why is not None:
+                        raise ValueError(f"{path}:{n}: not a bench record ({why})")
+                    self.records.append(json.loads(line))
+            tail = data[cut:]
+            if tail.strip(b" \t\r") and _parses(tail):  # not a torn write: a line whose end is missing
+                why = record_problem(tail.decode("utf-8"))
+                if why is not None:
+                    raise ValueError(f"{path}:{len(lines) + 1}: not a bench record ({why})")
+                self.records.append(json.loads(tail))
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            elif tail:
+                with open(path, "r+b") as f:  # drop the torn tail
+                    f.truncate(cut)
         self.done = {record_key(r["problem_id"], r["policy"], r["budget"]) for r in self.records}
 
     def append(self, record: dict) -> None:
@@ -61,3 +145,35 @@ class RecordLog:
             os.fsync(f.fileno())
         self.records.append(record)
         self.done.add(record_key(record["problem_id"], record["policy"], record["budget"]))
+
+
+def read_config(path: Path) -> dict:
+    """The settings a bench folder's earlier run recorded in ``config.json``.
+
+    Raises:
+        ValueError: not UTF-8 JSON, not an object, or a ``provenance`` that is not an object of text (or
+            null) values where the resume reads them (``model_sha256``, ``model_path``); one line.
+    """
+    try:
+        old = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError(f"{path}: not a bench config (not JSON); remove it or choose another --out") from None
+    if not isinstance(old, dict):
+        raise ValueError(f"{path}: not a bench config ({_kind(old)}, not an object); remove it or choose another --out")
+    prov = old.get("provenance")
+    if prov is not None and not (isinstance(prov, dict) and all(
+            prov.get(k) is None or isinstance(prov[k], str) for k in ("model_sha256", "model_path"))):
+        raise ValueError(f"{path}: not a bench config (its provenance is not an object of texts); remove it or "
+                         "choose another --out")
+    return old
+
+
+def write_config(path: Path, config: dict) -> None:
+    """Write ``config.json`` atomically (a temporary file renamed over it): a crash mid-write leaves the
+    earlier run's settings, never half a file that would make the folder's records unresumable."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(config, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
