@@ -12,6 +12,7 @@ calls.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import typing
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def flag(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class PolicyConfig:
+class PolicyConfig(abc.ABC):
     """Base of every policy's config: a frozen dataclass of its knobs, checked when made.
 
     Subclasses declare fields with :func:`knob` (every field must be a knob) and implement :meth:`build`.
@@ -107,13 +108,13 @@ class PolicyConfig:
         for k in knobs_of(type(self)):
             k.info.check(k.flag, getattr(self, k.name))
 
+    @abc.abstractmethod
     def build(self):
-        """A fresh :class:`zoomr.kvstore.policy.KVPolicy` with these knobs.
+        """A fresh :class:`zoomr.kvstore.policy.KVPolicy` with these knobs (each policy's file defines it).
 
         Raises:
             ValueError: knobs that do not fit together (the policy's constructor says which).
         """
-        raise NotImplementedError
 
 
 def knobs_of(config: type[PolicyConfig]) -> tuple[Knob, ...]:
