@@ -25,7 +25,8 @@ from .loop import RescueConfig
 
 # values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
 DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
-            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "detector": True}
+            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "abort_repeat": 256,
+            "abort_copies": 64, "detector": True}
 
 
 @dataclass
@@ -45,6 +46,8 @@ class RescueOptions:
     entropy_guard: Optional[int] = None
     abort_gzip: Optional[float] = None
     gzip_window: Optional[int] = None
+    abort_repeat: Optional[int] = None
+    abort_copies: Optional[int] = None
     detector: Optional[bool] = None
     preset: Optional[str] = None
 
@@ -108,7 +111,8 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     if policy not in REGISTRY:
         raise UserError(f"--base-policy {policy!r} unknown (choose from {choices})")
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
-                              pick("abort_gzip"), pick("gzip_window"))
+                              pick("abort_gzip"), pick("gzip_window"), pick("abort_repeat"),
+                              pick("abort_copies"))
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
                           detector=detector, early_exit=pick("detector")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
