@@ -41,9 +41,9 @@ the text one period earlier (:func:`periodic_tail`). A ``"cycle"`` abort comes w
 Digits are masked for the count only: a derivation that substitutes one expression again and again
 repeats itself more once its numbers are masked (up to 226 characters in the shipped MATH500/GSM8K
 solutions, 151 as written), so the repeat rule reads the text as written. Calibration: none of the
-7097 real steps nor of the short repetitive ones is aborted. What is left uncaught: counts of fewer than 64 lines within one step (``a_{41} = 41``, 40
-lines of ``n * 2 = 2n``): by then they read exactly like a legitimate 30-line list of equations, so the
-step limit ends them instead.
+7097 real steps nor of the short repetitive ones is aborted. What is left uncaught: counts of fewer
+than 64 lines within one step (``a_{41} = 41``, 40 lines of ``n * 2 = 2n``): by then they read
+exactly like a legitimate 30-line list of equations, so the step limit ends them instead.
 """
 
 from __future__ import annotations
