@@ -73,3 +73,15 @@ def test_bare_zoomr_still_shows_help():
     assert r.returncode == 2
     assert "Usage: zoomr" in r.stdout + r.stderr and "solve" in r.stdout + r.stderr
     assert "zoomr: error" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,value,choices", [
+    ("--dtype", "fp8", "(choose from auto, fp32, float32, bf16, bfloat16, fp16, float16)"),
+    ("--device", "tpu", "(choose from auto, cpu, cuda, cuda:N)"),
+    ("--device", "meta", "(choose from auto, cpu, cuda, cuda:N)"),
+])
+def test_bad_dtype_or_device_names_the_flag_and_every_choice(flag, value, choices):
+    r = zoomr("solve", "examples/problem.txt", flag, value, "--no-live")
+    assert r.returncode == 2
+    line = one_line(r.stderr.replace("loading model…", ""))
+    assert line == f"zoomr: error: {flag} {value!r} unknown {choices}"
