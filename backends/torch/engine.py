@@ -127,8 +127,12 @@ class TorchBackend:
 
     def describe(self) -> str:
         """One line: model, backend, device, dtype, policy."""
+        return f"{self.describe_model()} · KV policy {self.policy_name}"
+
+    def describe_model(self) -> str:
+        """:meth:`describe` without the policy, for a caller that runs several policies on these weights."""
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
-                f" · {self.cfg.n_layers} layers · KV policy {self.policy_name}")
+                f" · {self.cfg.n_layers} layers")
 
     def new_sequence(self) -> TorchSequence:
         """An empty sequence with a fresh cache from the cache factory."""
