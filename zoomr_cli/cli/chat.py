@@ -150,22 +150,25 @@ def chat(
         backend = build_backend(opts)
     out.info(backend.describe())
     editing = line_editing()
+    # piped in (llama.cpp's way): no prompt, and stdout holds the answers alone; /stats and notes go to stderr
+    interactive = sys.stdin.isatty()
     out.info(HELP)
     session = ChatSession(backend, sampler, opts.n_predict, system)
     while True:
         try:
-            if not _handle(input("> ").strip(), session, out, editing):
+            if not _handle(input("> " if interactive else "").strip(), session, out, editing, interactive):
                 return 0
         except EOFError:
-            out.token("\n")
+            if interactive:
+                out.token("\n")  # ends the prompt's line
             return 0
         except KeyboardInterrupt:  # at the prompt, or between an answer's end and the next prompt
             out.token("\n")
             out.info("(Ctrl-D or /exit to quit)")
 
 
-def _handle(line: str, session: ChatSession, out: Output, editing: bool) -> bool:
-    """Run one REPL line; False means exit."""
+def _handle(line: str, session: ChatSession, out: Output, editing: bool, interactive: bool = True) -> bool:
+    """Run one REPL line; False means exit. Not ``interactive`` (stdin piped): /stats goes to stderr."""
     if not line:
         return True
     if line in ("/exit", "/quit"):
@@ -173,7 +176,10 @@ def _handle(line: str, session: ChatSession, out: Output, editing: bool) -> bool
     if line == "/help":
         out.info(help_text(editing))
     elif line == "/stats":
-        out.result("stats", session.stats(), style="dim")
+        if interactive:
+            out.result("stats", session.stats(), style="dim")
+        else:
+            out.info(f"stats: {session.stats()}")
     elif line == "/reset":
         session.reset()
         out.info("conversation reset")
