@@ -20,14 +20,14 @@ from conftest import ROOT
 from zoomr.backends.llamacpp.policies import CELL_POLICIES, make_policy
 from zoomr.cli.options import knob_options, model_options
 from zoomr.errors import UserError
-from zoomr.evaluation.bench_plan import knob_scope, plan_cells, validate_cells
+from zoomr.evaluation.bench_plan import plan_cells, validate_cells
 from zoomr.factory import check_policy, policy_spec, torch_cache_factory
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.knobs import PolicyConfig, budget_knob, knob, window_knob
 from zoomr.kvstore.policy import ForwardInfo, KVPolicy
 from zoomr.kvstore.registry import (REFERENCE, REGISTRY, PolicyInfo, PolicySpec, budgeted, check_backend, evicting,
                                     knob_flags, policy_names, policy_table_markdown, register)
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, knob_scope
 from zoomr.rescue.plan import RescueOptions, plan_rescue
 
 

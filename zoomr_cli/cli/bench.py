@@ -27,12 +27,12 @@ from zoomr.evaluation.plots import write_plots
 from zoomr.evaluation.provenance import run_provenance
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
-from zoomr.evaluation.bench_plan import MATCHED, knob_scope, not_read, plan_cells, validate_cells
+from zoomr.evaluation.bench_plan import MATCHED, plan_cells, validate_cells
 from zoomr.evaluation.cells import run_cell, teacher_forced_fidelity
 from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
 from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, knob_scope, not_read
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, count
 from zoomr.rescue.plan import RescueOptions

@@ -19,7 +19,7 @@ from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
 from zoomr.factory import build_backend
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, check_knobs_read
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, stats_line
 
@@ -144,6 +144,7 @@ def chat(
     opts: RunOptions,
 ) -> int:
     """Chat interactively; the conversation stays in the KV cache. /help, /stats, /reset, /exit; Ctrl-C stops an answer."""
+    check_knobs_read(opts)
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)
     with out.status("loading model…"):
