@@ -146,8 +146,8 @@ def test_an_eighth_policy_reaches_the_cli_options(stride):
     r = runner.invoke(app, ["--policy", "stride", "--stride", "3", "--budget", "16", "--sink", "4"])
     assert r.exit_code == 0, r.output
     opts = seen["opts"]
-    # --sink 4 is streaming's default, so not a knob given
-    assert opts.policy == "stride" and opts.knobs == {"stride": 3, "budget": 16}
+    # typed, so given, though 4 is streaming's default (solve would refuse it for stride: not its knob)
+    assert opts.policy == "stride" and opts.knobs == {"stride": 3, "budget": 16, "sink": 4}
 
 
 def test_an_eighth_policy_is_built_by_the_factory_and_runs(stride):
