@@ -56,7 +56,8 @@ def rescue_options(fn):
     Stack it under :func:`zoomr.cli.options.model_options` (which supplies ``opts``).
     """
     defaults = {name: getattr(RescueOptions(), name) for name in _DECLS}
-    return grouped_options(fn, "rescue", _DECLS, defaults, lambda values: needs_rescue(RescueOptions(**values)))
+    return grouped_options(fn, "rescue", _DECLS, defaults,
+                           lambda values, typed: needs_rescue(RescueOptions(**values)))
 
 
 def needs_rescue(ropts: RescueOptions) -> RescueOptions:

@@ -18,7 +18,7 @@ from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
 from zoomr.factory import check_policy
 from zoomr.kvstore.registry import REFERENCE, REGISTRY, evicting
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, check_knobs_read
 
 from .degeneration import DetectorConfig
 from .loop import RescueConfig
@@ -86,7 +86,8 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     one the backend does not run is refused with the registry's reason.
 
     Raises:
-        UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset.
+        UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset, a policy
+            knob the base policy does not read.
         ValueError: bad counts or thresholds (see :meth:`RescueConfig.validate`).
     """
     preset = load_preset(ropts.preset)
@@ -121,6 +122,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     helper_opts = dataclasses.replace(opts, model=pick("helper"), policy=REFERENCE, knobs={})
     # a bad policy knob, a missing helper or PRM should fail now, not after a model has loaded
     for_flag("--base-policy", check_policy, base_opts)
+    check_knobs_read(base_opts, "--base-policy")
     for_flag("-m", resolve_model, model)
     for_flag("--helper", resolve_model, helper_opts.model)
     if pick("prm") is not None:
