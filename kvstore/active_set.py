@@ -7,7 +7,7 @@ Two shapes of it:
   are appended in place, and a new selection moves host → device only the (head, position) pairs
   that are not resident yet; resident ones are gathered on the device. On CUDA, layer l+1's new
   selection is applied on a side stream (pinned staging, non-blocking copies, an event) while layer l
-  computes.
+  computes (the class docstring has the timeline). A fork shares the buffers copy-on-write.
 * :class:`StreamedActiveSet`: nothing stays on the device; every step each layer's full KV is copied
   host → device just before it is attended (layer l+1 prefetched during layer l) and dropped after.
   This is the "offloaded full KV" baseline the paper measures ZoomR against (§4, Fig. 3a).

@@ -9,8 +9,9 @@ A block is sealed when its last position is written and is never written again. 
 :meth:`HostKVStore.fork` cheap: a fork references the parent's sealed blocks (a list of pointers,
 ``L · n / block`` of them) and copies only the tail (< ``block`` positions per layer); from then on each
 side writes only its own tail, so neither can see the other's new tokens. Sealed blocks are freed
-when the last store referencing them is (Python reference counting). Appending allocates one block
-per ``block`` positions: amortized O(1), no per-token reallocation.
+when the last store referencing them is (Python reference counting). The tail's capacity doubles
+up to one block (a fork's copy is as big as the parent's tail, at most twice its use); appending costs amortized O(1) copies per
+position, no per-token reallocation.
 
 On CUDA the blocks are pinned and new tokens are copied device → host with non-blocking copies on
 a side stream; an event per layer says when the host copy is complete, and every host-side read of
@@ -49,15 +50,29 @@ class HostKVStore:
         self.cuda = compute_device.type == "cuda"
         self.sealed_k: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]   # [block, Hkv, d] each
         self.sealed_v: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-        self.tail_k: list[torch.Tensor | None] = [None] * n_layers               # [block, Hkv, d], owned
+        self.tail_k: list[torch.Tensor | None] = [None] * n_layers               # [≤ block, Hkv, d], owned
         self.tail_v: list[torch.Tensor | None] = [None] * n_layers
         self.n = [0] * n_layers
         self._ready: list[torch.cuda.Event | None] = [None] * n_layers
         self._stream = torch.cuda.Stream(compute_device) if self.cuda else None
 
-    def _alloc(self) -> torch.Tensor:
+    def _alloc(self, rows: int) -> torch.Tensor:
         _, h, d = self.shape
-        return torch.empty(self.block, h, d, dtype=self.dtype, pin_memory=self.cuda)
+        return torch.empty(rows, h, d, dtype=self.dtype, pin_memory=self.cuda)
+
+    def _reserve(self, layer: int, used: int, need: int) -> None:
+        # the tail grows by doubling up to one block, so a fork's copy of it is only as big as its use
+        cap = 0 if self.tail_k[layer] is None else self.tail_k[layer].shape[0]
+        if need <= cap:
+            return
+        rows = min(self.block, max(need, 2 * cap, 16))
+        if used and self.cuda:
+            self.sync(layer)   # a host-side copy must not race the pending device → host copy into it
+        for tails in (self.tail_k, self.tail_v):
+            t = self._alloc(rows)
+            if used:
+                t[:used] = tails[layer][:used]
+            tails[layer] = t
 
     def sync(self, layer: int) -> None:
         """Wait until the host copy of ``layer``'s last append is complete (no-op on CPU)."""
@@ -92,9 +107,8 @@ class HostKVStore:
         n, T, b, i = self.n[layer], k.shape[0], self.block, 0
         while i < T:
             off = (n + i) % b
-            if self.tail_k[layer] is None:
-                self.tail_k[layer], self.tail_v[layer] = self._alloc(), self._alloc()
             m = min(b - off, T - i)
+            self._reserve(layer, off, off + m)
             self.tail_k[layer][off:off + m].copy_(k[i:i + m], non_blocking=non_blocking)
             self.tail_v[layer][off:off + m].copy_(v[i:i + m], non_blocking=non_blocking)
             i += m
@@ -204,7 +218,7 @@ class HostKVStore:
                 self.sync(li)
                 used = self.n[li] % self.block
                 for src, dst in ((self.tail_k, other.tail_k), (self.tail_v, other.tail_v)):
-                    t = other._alloc()
+                    t = other._alloc(src[li].shape[0])   # the same reserve: a fork grows like its parent
                     t[:used] = src[li][:used]
                     dst[li] = t
         other.n = list(self.n)

@@ -146,7 +146,7 @@ def test_fork_shares_the_stored_kv(name):
         assert all(a is b for a, b in zip(store.sealed_v[layer], kid.sealed_v[layer]))
         # the tail (39 % 4 = 3 positions) is the only stored KV a fork copies
         assert kid.tail_k[layer] is not store.tail_k[layer]
-        assert torch.equal(kid.tail_k[layer][:3], store.tail_k[layer][:3])
+        assert kid.tail_k[layer].shape[0] <= BLOCK and torch.equal(kid.tail_k[layer][:3], store.tail_k[layer][:3])
     if isinstance(cache.active, ResidentActiveSet):
         for layer in range(L):
             assert child.active.k[layer].data_ptr() == cache.active.k[layer].data_ptr()
