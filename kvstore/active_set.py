@@ -277,6 +277,10 @@ class ResidentActiveSet:
         buffers shared with a fork count in both)."""
         return sum(2 * t.numel() * t.element_size() for t in self.k if t is not None)
 
+    def buffers(self):
+        """The device K and V buffers held now (possibly shared with forks)."""
+        yield from (t for t in (*self.k, *self.v) if t is not None)
+
     def fork(self, store: HostKVStore) -> "ResidentActiveSet":
         """A set over ``store`` (the fork of this one's store) sharing this one's device buffers.
 
@@ -384,6 +388,12 @@ class StreamedActiveSet:
     def device_bytes(self) -> int:
         """Bytes of prefetched device K/V held right now (at most about one layer)."""
         return sum(2 * k.numel() * k.element_size() for k, _, _ in self._next.values())
+
+    def buffers(self):
+        """The prefetched device K and V held right now (at most about one layer)."""
+        for k, v, _ in self._next.values():
+            yield k
+            yield v
 
     def fork(self, store: HostKVStore) -> "StreamedActiveSet":
         """A fresh streamed set over ``store`` (nothing of it stays on the device to share)."""

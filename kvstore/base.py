@@ -119,6 +119,11 @@ class FullKVCache:
         other.n_tokens, other.meter = self.n_tokens, self.meter.copy()
         return other
 
+    def storages(self):
+        """``("device", tensor)`` for every K/V buffer held (see :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
+        for t in (*self.k, *self.v):
+            yield "device", t
+
     def token_bytes(self) -> int:
         """Bytes of K and V of one position over all layers."""
         L, Hkv, d = self.shape

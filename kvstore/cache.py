@@ -121,6 +121,14 @@ class PolicyKVCache:
         other.meter = self.meter.copy()
         return other
 
+    def storages(self):
+        """``(where, tensor)`` for every K/V buffer held: ``host`` store blocks and tails, ``device``
+        active-set buffers (see :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
+        for t in self.store.buffers():
+            yield "host", t
+        for t in self.active.buffers():
+            yield "device", t
+
     def stats(self) -> KVStats:
         """Active = positions attended at the last forward (max over layers; bytes summed over layers).
 

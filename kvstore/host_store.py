@@ -191,6 +191,12 @@ class HostKVStore:
             out.append((k[:m], v[:m]))
         return out
 
+    def buffers(self):
+        """Every K and V block this store holds (sealed ones may be shared with forks)."""
+        for layer in range(self.shape[0]):
+            yield from self._blocks(layer, "k")
+            yield from self._blocks(layer, "v")
+
     def allocated_bytes(self) -> int:
         """Bytes of the host K/V blocks this store holds (sealed ones may be shared with forks)."""
         return sum(2 * t.numel() * t.element_size() for layer in range(self.shape[0])

@@ -218,3 +218,22 @@ def test_in_place_apply_equals_fresh_buffers_and_spares_shared_ones():
                 act.schedule(0, sel)
     assert sets[1].moved_pairs == sets[0].moved_pairs
     assert torch.equal(forked.k[0][:, :forked.n[0]], frozen)
+
+
+@pytest.mark.parametrize("name", ["full-device", "rkv", "zoomr"])
+def test_a_family_of_forks_holds_the_prefix_once(name):
+    from zoomr.kvstore.stats import distinct_kv_bytes
+    cache = make(name)
+    feed(cache, forwards(1, 60, first_T=20))
+    cache.fork()   # a fork applies the parent's pending selection first (its next forward would)
+    alone = distinct_kv_bytes([cache])
+    kids = [cache.fork() for _ in range(4)]
+    assert distinct_kv_bytes([cache, *kids])["host"] - alone["host"] <= 4 * 2 * L * BLOCK * HKV * D * 4
+    assert distinct_kv_bytes([cache, *kids])["device"] == alone["device"]   # nothing copied before a write
+    for i, kid in enumerate(kids):
+        feed(kid, forwards(10 + i, 1))
+    grown = distinct_kv_bytes([cache, *kids])
+    one = sum(t.numel() * t.element_size() for w, t in cache.storages() if w == "device")
+    assert grown["device"] <= alone["device"] + 3 * one    # the first writer appended in place
+    with pytest.raises(TypeError, match="storages"):
+        distinct_kv_bytes([object()])
