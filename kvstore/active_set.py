@@ -306,6 +306,9 @@ class ResidentActiveSet:
 class StreamedActiveSet:
     """Full KV offloaded: each layer's K/V are copied host → device right before attention, then dropped.
 
+    On the CPU there is no device to copy to: each step the stored blocks are copied once into the
+    tensor attention reads (what the offloaded baseline costs there).
+
     Only the ``full`` policy fits this shape (it has no selection to apply). On CUDA the next layer's
     copy is issued on a side stream while the current layer computes (one non-blocking copy per pinned
     block of the store, into one device buffer per tensor).
@@ -325,25 +328,15 @@ class StreamedActiveSet:
         raise ValueError("the streamed (offloaded full) KV cache attends every position; it takes no selection")
 
     def prefetch(self, layer: int) -> None:
-        """Start copying ``layer``'s stored K/V to the device (CUDA: on the side stream).
+        """CUDA: start copying ``layer``'s stored K/V to the device on the side stream (no-op elsewhere).
 
-        The store's blocks are copied one by one into one [n, Hkv, d] buffer (CUDA: non-blocking copies
-        of pinned blocks, ``n / block`` of each per layer; they overlap the current layer's compute).
+        The store's pinned blocks are copied into one [n, Hkv, d] buffer per tensor, non-blocking,
+        ``n / block`` copies of each per layer; they overlap the current layer's compute.
         """
-        if layer >= len(self.n) or layer in self._next:
+        if not self.cuda or layer >= len(self.n) or layer in self._next:
             return
-        chunks = self.store.chunks(layer)          # [m, Hkv, d] views of the blocks (pinned on CUDA)
+        chunks = self.store.chunks(layer)          # [m, Hkv, d] views of the pinned blocks
         n = sum(ck.shape[0] for ck, _ in chunks)
-        if not self.cuda:
-            k = torch.empty(self.h, n, self.d, dtype=self.dtype)
-            v = torch.empty_like(k)
-            s = 0
-            for ck, cv in chunks:
-                m = ck.shape[0]
-                k[:, s:s + m], v[:, s:s + m] = ck.transpose(0, 1), cv.transpose(0, 1)
-                s += m
-            self._next[layer] = (k, v, None)
-            return
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
@@ -364,21 +357,32 @@ class StreamedActiveSet:
 
     def attend(self, layer, k_new, v_new, pos_new):
         """See :meth:`ResidentActiveSet.attend`; the stored part is every position before ``pos_new``."""
-        # the host store already holds this forward's tokens: copy only the positions before them
-        if layer not in self._next:
-            self.prefetch(layer)
-        k, v, ev = self._next.pop(layer)
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
         T = k_new.shape[1]
         old = int(pos_new[0])
         self.moved_pairs += self.h * old
+        self.n[layer] = old + T
+        pos = torch.arange(old + T, device=self.device).expand(self.h, -1)
+        if not self.cuda:
+            # one pass: each stored block, transposed, straight into the tensor attention reads
+            K = torch.empty(self.h, old + T, self.d, dtype=k_new.dtype)
+            V = torch.empty_like(K)
+            s = 0
+            for ck, cv in self.store.chunks(layer):
+                m = min(ck.shape[0], old - s)
+                if m <= 0:
+                    break
+                K[:, s:s + m], V[:, s:s + m] = ck[:m].transpose(0, 1), cv[:m].transpose(0, 1)
+                s += m
+            K[:, old:], V[:, old:] = k_new, v_new
+            return K, V, pos
+        # the host store already holds this forward's tokens: attend only the positions before them
+        if layer not in self._next:
+            self.prefetch(layer)
+        k, v, ev = self._next.pop(layer)
+        torch.cuda.current_stream(self.device).wait_event(ev)
         K = torch.cat([k[:, :old], k_new], dim=1)
         V = torch.cat([v[:, :old], v_new], dim=1)
-        self.n[layer] = old + T
-        if self.cuda:
-            self.prefetch(layer + 1)
-        pos = torch.arange(old + T, device=self.device).expand(self.h, -1)
+        self.prefetch(layer + 1)
         return K, V, pos
 
     def positions(self, layer: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ A block is sealed when its last position is written and is never written again. 
 :meth:`HostKVStore.fork` cheap: a fork references the parent's sealed blocks (a list of pointers,
 ``L · n / block`` of them) and copies only the tail (< ``block`` positions per layer); from then on each
 side writes only its own tail, so neither can see the other's new tokens. Sealed blocks are freed
-when the last store referencing them is (Python reference counting). The tail's capacity doubles
+when the last store referencing them is (Python reference counting). On the CPU the tail's capacity doubles
 up to one block (a fork's copy is as big as the parent's tail, at most twice its use); appending costs amortized O(1) copies per
 position, no per-token reallocation.
 
@@ -53,6 +53,7 @@ class HostKVStore:
         self.tail_k: list[torch.Tensor | None] = [None] * n_layers               # [≤ block, Hkv, d], owned
         self.tail_v: list[torch.Tensor | None] = [None] * n_layers
         self.n = [0] * n_layers
+        self._bytes = 0                    # K+V bytes of the blocks held (kept, so accounting per forward is O(1))
         self._ready: list[torch.cuda.Event | None] = [None] * n_layers
         self._stream = torch.cuda.Stream(compute_device) if self.cuda else None
 
@@ -61,15 +62,17 @@ class HostKVStore:
         return torch.empty(rows, h, d, dtype=self.dtype, pin_memory=self.cuda)
 
     def _reserve(self, layer: int, used: int, need: int) -> None:
-        # the tail grows by doubling up to one block, so a fork's copy of it is only as big as its use
+        # the tail grows by doubling up to one block (CPU), so a fork's copy of it is about its use
         cap = 0 if self.tail_k[layer] is None else self.tail_k[layer].shape[0]
         if need <= cap:
             return
-        rows = min(self.block, max(need, 2 * cap, 16))
-        if used and self.cuda:
-            self.sync(layer)   # a host-side copy must not race the pending device → host copy into it
+        # on CUDA a whole block at once: growing would copy on the host while the side stream may still
+        # be writing into the old tail, which needs a host wait per growth
+        rows = self.block if self.cuda else min(self.block, max(need, 2 * cap, 16))
         for tails in (self.tail_k, self.tail_v):
             t = self._alloc(rows)
+            self._bytes += t.numel() * t.element_size() - (0 if tails[layer] is None else
+                                                           tails[layer].numel() * tails[layer].element_size())
             if used:
                 t[:used] = tails[layer][:used]
             tails[layer] = t
@@ -199,8 +202,7 @@ class HostKVStore:
 
     def allocated_bytes(self) -> int:
         """Bytes of the host K/V blocks this store holds (sealed ones may be shared with forks)."""
-        return sum(2 * t.numel() * t.element_size() for layer in range(self.shape[0])
-                   for t in self._blocks(layer, "k"))
+        return self._bytes
 
     def token_bytes(self) -> int:
         """Bytes of K and V of one position over all layers."""
@@ -219,6 +221,7 @@ class HostKVStore:
         other.sealed_k = [list(s) for s in self.sealed_k]
         other.sealed_v = [list(s) for s in self.sealed_v]
         other.tail_k, other.tail_v = [None] * L, [None] * L
+        other._bytes = self._bytes   # the same reserve for the tails (below)
         for li in range(L):
             if self.tail_k[li] is not None:
                 self.sync(li)
