@@ -7,7 +7,7 @@ Two shapes of it:
   are appended in place, and a new selection moves host → device only the (head, position) pairs
   that are not resident yet; resident ones are gathered on the device. On CUDA, layer l+1's new
   selection is applied on a side stream (pinned staging, non-blocking copies, an event) while layer l
-  computes.
+  computes (the class docstring has the timeline). A fork shares the buffers copy-on-write.
 * :class:`StreamedActiveSet`: nothing stays on the device; every step each layer's full KV is copied
   host → device just before it is attended (layer l+1 prefetched during layer l) and dropped after.
   This is the "offloaded full KV" baseline the paper measures ZoomR against (§4, Fig. 3a).
@@ -23,21 +23,54 @@ import torch
 from .host_store import HostKVStore
 
 
+class _Claim:
+    """Who wrote past the used part of one layer's buffers; one object shared by every fork holding them.
+
+    Buffers are append-only between selections, so a fork may share its parent's: each side reads only
+    its own first ``n`` positions. The first side to append at ``end`` writes in place and moves
+    ``end``; a side whose ``n`` is no longer ``end`` (the other one wrote there) copies its part into
+    fresh buffers first (copy-on-write). ``shared`` (sticky) forbids rewriting the buffers in place.
+    """
+
+    __slots__ = ("end", "shared")
+
+    def __init__(self, end: int):
+        self.end, self.shared = end, False
+
+
 class ResidentActiveSet:
     """Selected K/V resident on the compute device, per layer.
 
     Args:
         store: the host store the selections are read from.
         device, dtype: compute device and dtype.
+        inplace: apply a new selection inside the current buffers when they are not shared with a fork
+            and it fits, copying only the pairs that moved or came from the host (peak extra memory:
+            the moved pairs, instead of a second buffer the size of the selection). Default: on CUDA
+            only; the CPU default keeps fresh buffers per selection.
 
     Attributes:
         moved_pairs: (KV head, position) pairs copied host → device by selections so far.
+
+    CUDA timeline (untested on a GPU so far): a selection computed on the device (H2O, SnapKV, R-KV)
+    stays there; :meth:`schedule` queues its copy into pinned host memory on the compute stream with an
+    event and returns without waiting. It is applied one forward later, on the side stream, while the
+    previous layer computes (:meth:`prefetch`): the host waits for that event (by then long complete,
+    since the step's logits or token id already crossed to the host), does the per-row book-keeping in
+    numpy, and queues, all non-blocking: index vectors from pinned memory, one device gather of the
+    resident pairs that moved, one pinned-staging copy of the pairs read from the host store, and the
+    positions (device-to-device from the selection, or from a pinned copy of a host-computed one).
+    The compute stream waits for the side stream's event only right before that layer's attention.
+    New tokens' positions are made on the device (``arange``), so a decode step moves no position
+    host → device. What still synchronizes the host: the staging buffers are reused per layer only
+    after the previous copy out of them completed (one step earlier).
     """
 
-    def __init__(self, store: HostKVStore, device: torch.device, dtype: torch.dtype):
+    def __init__(self, store: HostKVStore, device: torch.device, dtype: torch.dtype, inplace: bool | None = None):
         L, self.h, self.d = store.shape
         self.store, self.device, self.dtype = store, device, dtype
         self.cuda = device.type == "cuda"
+        self.inplace = self.cuda if inplace is None else inplace
         self.k: list[torch.Tensor | None] = [None] * L
         self.v: list[torch.Tensor | None] = [None] * L
         self.pos_host: list[torch.Tensor | None] = [None] * L   # [Hkv, cap] int64, CPU mirror
@@ -45,6 +78,9 @@ class ResidentActiveSet:
         self.n = [0] * L
         self.pending: list[torch.Tensor | None] = [None] * L    # next selection [Hkv, M], CPU
         self.moved_pairs = 0
+        self._claim: list[_Claim | None] = [None] * L
+        self._sel_dev: list[torch.Tensor | None] = [None] * L   # CUDA: the pending selection, on the device
+        self._sel_ev: list[torch.cuda.Event | None] = [None] * L  # CUDA: its copy into ``pending`` is done
         self._ready: list[torch.cuda.Event | None] = [None] * L
         self._staging: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
         self._staged: list[torch.cuda.Event | None] = [None] * L   # last copy out of the staging buffers
@@ -56,9 +92,19 @@ class ResidentActiveSet:
 
         Args:
             selection: [Hkv, M] int64 positions, each row sorted ascending and unique, all < the
-                positions written; the same M for every head.
+                positions written; the same M for every head. On CUDA a device tensor is copied to
+                the host asynchronously (no wait here; see the class docstring).
         """
-        self.pending[layer] = selection.to("cpu", torch.long)
+        if self.cuda and selection.device.type == "cuda":
+            sel = selection.to(torch.long).contiguous()
+            host = torch.empty(sel.shape, dtype=torch.long, pin_memory=True)
+            host.copy_(sel, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.pending[layer], self._sel_dev[layer], self._sel_ev[layer] = host, sel, ev
+        else:
+            self.pending[layer] = selection.to("cpu", torch.long)
+            self._sel_dev[layer] = self._sel_ev[layer] = None
         self._ready[layer] = None
 
     def prefetch(self, layer: int) -> None:
@@ -68,9 +114,9 @@ class ResidentActiveSet:
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            for t in (self.k[layer], self.v[layer], self.pos_dev[layer]):
+            for t in (self.k[layer], self.v[layer], self.pos_dev[layer], self._sel_dev[layer]):
                 if t is not None:
-                    t.record_stream(self._stream)   # the old buffers are read here
+                    t.record_stream(self._stream)   # the old buffers (and the selection) are read here
             self._apply(layer)
             for t in (self.k[layer], self.v[layer], self.pos_dev[layer]):
                 t.record_stream(cur)                # the new ones are used on the compute stream
@@ -88,40 +134,72 @@ class ResidentActiveSet:
         else:
             self._apply(layer)
         self.pending[layer] = None
+        self._sel_dev[layer] = self._sel_ev[layer] = None
+
+    def _index(self, a: np.ndarray) -> torch.Tensor:
+        """A flat int64 index on the device; on CUDA through pinned memory, so the copy is asynchronous."""
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).reshape(-1))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t.to(self.device)
 
     def _apply(self, layer: int) -> None:
         # Book-keeping (which selected pairs are resident, and where) runs in numpy on the host: these
         # are tiny per-row searches that torch would parallelize at a loss. Data moves as one flat
         # index_select on the device plus one from the host store for the pairs not resident.
+        if self._sel_ev[layer] is not None:
+            self._sel_ev[layer].synchronize()   # the selection's copy to the host, queued a forward ago
         sel = self.pending[layer].numpy()
         h, M = sel.shape
         n = self.n[layer]
-        cap = M + max(64, M // 4)
-        k = torch.empty(h, cap, self.d, device=self.device, dtype=self.dtype)
-        v = torch.empty_like(k)
+        claim = self._claim[layer]
+        inplace = (self.inplace and n > 0 and claim is not None and not claim.shared
+                   and M <= self.k[layer].shape[1])
         if n:
             old = self.pos_host[layer][:, :n].numpy()
             slot = np.stack([np.searchsorted(old[r], sel[r]) for r in range(h)]).clip(max=n - 1)
             hit = np.take_along_axis(old, slot, 1) == sel
-            old_cap = self.k[layer].shape[1]
-            flat = torch.from_numpy((slot + np.arange(h)[:, None] * old_cap).reshape(-1)).to(self.device)
-            k[:, :M] = self.k[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
-            v[:, :M] = self.v[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
         else:
             hit = np.zeros(sel.shape, dtype=bool)
+        if inplace:
+            k, v, cap = self.k[layer], self.v[layer], self.k[layer].shape[1]
+            mh, mc = np.nonzero(hit & (slot != np.arange(M)[None, :]))   # resident, but in another slot
+            if mh.size:
+                src, dst = self._index(mh * cap + slot[mh, mc]), self._index(mh * cap + mc)
+                for t in (k, v):
+                    flat = t.view(-1, self.d)
+                    flat.index_copy_(0, dst, flat.index_select(0, src))   # the gather is complete first
+        else:
+            cap = M + max(64, M // 4)
+            k = torch.empty(h, cap, self.d, device=self.device, dtype=self.dtype)
+            v = torch.empty_like(k)
+            if n:
+                old_cap = self.k[layer].shape[1]
+                flat = self._index(slot + np.arange(h)[:, None] * old_cap)
+                k[:, :M] = self.k[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
+                v[:, :M] = self.v[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
         heads, cols = np.nonzero(~hit)
         if heads.size:
             hk, hv = self.store.gather(layer, torch.from_numpy(heads), torch.from_numpy(sel[heads, cols]),
                                        *self._stage(layer, heads.size))
-            dst = torch.from_numpy(heads * cap + cols).to(self.device, non_blocking=True)
+            dst = self._index(heads * cap + cols)
             k.view(-1, self.d).index_copy_(0, dst, hk.to(self.device, non_blocking=True))
             v.view(-1, self.d).index_copy_(0, dst, hv.to(self.device, non_blocking=True))
             self.moved_pairs += int(heads.size)
-        pos = torch.empty(h, cap, dtype=torch.long)
+        pos = self.pos_host[layer] if inplace else torch.empty(h, cap, dtype=torch.long)
         pos[:, :M] = self.pending[layer]
+        if not self.cuda:
+            dev = pos
+        else:
+            dev = self.pos_dev[layer] if inplace else torch.empty(h, cap, dtype=torch.long, device=self.device)
+            if self._sel_dev[layer] is not None:
+                dev[:, :M].copy_(self._sel_dev[layer])
+            else:
+                dev[:, :M].copy_(self.pending[layer].contiguous().pin_memory(), non_blocking=True)
         self.k[layer], self.v[layer], self.n[layer] = k, v, M
-        self.pos_host[layer] = pos
-        self.pos_dev[layer] = pos if not self.cuda else pos.to(self.device, non_blocking=True)
+        self.pos_host[layer], self.pos_dev[layer] = pos, dev
+        if inplace:
+            claim.end = M
+        else:
+            self._claim[layer] = _Claim(M)
 
     def _stage(self, layer: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Pinned host buffers for ``m`` gathered rows (CUDA), so the H2D copy is truly asynchronous."""
@@ -146,26 +224,31 @@ class ResidentActiveSet:
             pos_new: [T] int64 positions of the new tokens (CPU).
         Returns:
             (K, V, positions): [Hkv, N, d], [Hkv, N, d], [Hkv, N] int64 on the device; the last T
-            entries are the new tokens.
+            entries are the new tokens. Views of buffers a fork may share: read them, never write.
         """
         self._ensure(layer)
         T = k_new.shape[1]
         n = self.n[layer]
-        if self.k[layer] is None or n + T > self.k[layer].shape[1]:
-            self._grow(layer, n + T)
+        if self.k[layer] is None or n + T > self.k[layer].shape[1] or self._claim[layer].end != n:
+            self._grow(layer, n + T)        # full, or a fork wrote past n into the shared buffers
         self.k[layer][:, n:n + T] = k_new
         self.v[layer][:, n:n + T] = v_new
         self.pos_host[layer][:, n:n + T] = pos_new
-        if self.cuda:
-            self.pos_dev[layer][:, n:n + T] = pos_new.to(self.device, non_blocking=True)
+        if self.cuda and T:
+            p0 = int(pos_new[0])
+            if int(pos_new[-1]) - p0 == T - 1:   # consecutive (always, from PolicyKVCache): made on the device
+                self.pos_dev[layer][:, n:n + T] = torch.arange(p0, p0 + T, device=self.device)
+            else:
+                self.pos_dev[layer][:, n:n + T] = pos_new.pin_memory().to(self.device, non_blocking=True)
         self.n[layer] = n + T
+        self._claim[layer].end = n + T
         self.prefetch(layer + 1)
         m = n + T
         return self.k[layer][:, :m], self.v[layer][:, :m], self.pos_dev[layer][:, :m]
 
     def _grow(self, layer: int, need: int) -> None:
         cap = 0 if self.k[layer] is None else self.k[layer].shape[1]
-        new_cap = max(need, 2 * cap, 64)
+        new_cap = max(need, cap if need <= cap else 2 * cap, 64)
         n = self.n[layer]
         k = torch.empty(self.h, new_cap, self.d, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)
@@ -180,6 +263,7 @@ class ResidentActiveSet:
             self.pos_dev[layer] = dev
         else:
             self.pos_dev[layer] = pos
+        self._claim[layer] = _Claim(n)
 
     # -- accounting ------------------------------------------------------------------------------
     def positions(self, layer: int) -> torch.Tensor:
@@ -189,21 +273,31 @@ class ResidentActiveSet:
             else torch.empty(self.h, 0, dtype=torch.long)
 
     def device_bytes(self) -> int:
-        """Bytes of the device K/V buffers allocated now (capacity, not just the used part)."""
+        """Bytes of the device K/V buffers this set holds now (capacity, not just the used part;
+        buffers shared with a fork count in both)."""
         return sum(2 * t.numel() * t.element_size() for t in self.k if t is not None)
 
-    def clone(self, store: HostKVStore) -> "ResidentActiveSet":
-        """An independent copy over ``store`` (a clone of this one's store); pending selections kept."""
-        other = ResidentActiveSet(store, self.device, self.dtype)
+    def buffers(self):
+        """The device K and V buffers held now (possibly shared with forks)."""
+        yield from (t for t in (*self.k, *self.v) if t is not None)
+
+    def fork(self, store: HostKVStore) -> "ResidentActiveSet":
+        """A set over ``store`` (the fork of this one's store) sharing this one's device buffers.
+
+        Pending selections are applied here first (once, for both). Cost: O(L); no K/V is copied
+        until one side appends after the other did (then that side copies its N positions of that
+        layer: O(active), see :class:`_Claim`) or applies a new selection (fresh buffers, as always).
+        """
+        other = ResidentActiveSet(store, self.device, self.dtype, self.inplace)
         for li in range(len(self.k)):
             self._ensure(li)
-            n = self.n[li]
             if self.k[li] is None:
                 continue
-            other.k[li], other.v[li] = self.k[li].clone(), self.v[li].clone()
-            other.pos_host[li] = self.pos_host[li].clone()
-            other.pos_dev[li] = other.pos_host[li] if not self.cuda else self.pos_dev[li].clone()
-            other.n[li] = n
+            other.k[li], other.v[li] = self.k[li], self.v[li]
+            other.pos_host[li], other.pos_dev[li] = self.pos_host[li], self.pos_dev[li]
+            other.n[li] = self.n[li]
+            self._claim[li].shared = True
+            other._claim[li] = self._claim[li]
         other.moved_pairs = self.moved_pairs
         other._stream = self._stream
         return other
@@ -212,9 +306,12 @@ class ResidentActiveSet:
 class StreamedActiveSet:
     """Full KV offloaded: each layer's K/V are copied host → device right before attention, then dropped.
 
+    On the CPU there is no device to copy to: each step the stored blocks are copied once into the
+    tensor attention reads (what the offloaded baseline costs there).
+
     Only the ``full`` policy fits this shape (it has no selection to apply). On CUDA the next layer's
-    copy is issued on a side stream while the current layer computes (one contiguous block of the
-    pinned store per tensor, so the copy stays asynchronous).
+    copy is issued on a side stream while the current layer computes (one non-blocking copy per pinned
+    block of the store, into one device buffer per tensor).
     """
 
     def __init__(self, store: HostKVStore, device: torch.device, dtype: torch.dtype):
@@ -231,18 +328,27 @@ class StreamedActiveSet:
         raise ValueError("the streamed (offloaded full) KV cache attends every position; it takes no selection")
 
     def prefetch(self, layer: int) -> None:
-        """Start copying ``layer``'s stored K/V to the device (CUDA: on the side stream)."""
-        if layer >= len(self.n) or layer in self._next:
+        """CUDA: start copying ``layer``'s stored K/V to the device on the side stream (no-op elsewhere).
+
+        The store's pinned blocks are copied into one [n, Hkv, d] buffer per tensor, non-blocking,
+        ``n / block`` copies of each per layer; they overlap the current layer's compute.
+        """
+        if not self.cuda or layer >= len(self.n) or layer in self._next:
             return
-        hk, hv = self.store.layer(layer)          # [n, Hkv, d], contiguous (pinned on CUDA)
-        if not self.cuda:
-            self._next[layer] = (hk.transpose(0, 1).clone(), hv.transpose(0, 1).clone(), None)
-            return
+        chunks = self.store.chunks(layer)          # [m, Hkv, d] views of the pinned blocks
+        n = sum(ck.shape[0] for ck, _ in chunks)
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            k = hk.to(self.device, non_blocking=True).transpose(0, 1)
-            v = hv.to(self.device, non_blocking=True).transpose(0, 1)
+            k = torch.empty(n, self.h, self.d, dtype=self.dtype, device=self.device)
+            v = torch.empty_like(k)
+            s = 0
+            for ck, cv in chunks:
+                m = ck.shape[0]
+                k[s:s + m].copy_(ck, non_blocking=True)
+                v[s:s + m].copy_(cv, non_blocking=True)
+                s += m
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
             k.record_stream(cur)
             v.record_stream(cur)
             ev = torch.cuda.Event()
@@ -251,21 +357,32 @@ class StreamedActiveSet:
 
     def attend(self, layer, k_new, v_new, pos_new):
         """See :meth:`ResidentActiveSet.attend`; the stored part is every position before ``pos_new``."""
-        # the host store already holds this forward's tokens: copy only the positions before them
-        if layer not in self._next:
-            self.prefetch(layer)
-        k, v, ev = self._next.pop(layer)
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
         T = k_new.shape[1]
         old = int(pos_new[0])
         self.moved_pairs += self.h * old
+        self.n[layer] = old + T
+        pos = torch.arange(old + T, device=self.device).expand(self.h, -1)
+        if not self.cuda:
+            # one pass: each stored block, transposed, straight into the tensor attention reads
+            K = torch.empty(self.h, old + T, self.d, dtype=k_new.dtype)
+            V = torch.empty_like(K)
+            s = 0
+            for ck, cv in self.store.chunks(layer):
+                m = min(ck.shape[0], old - s)
+                if m <= 0:
+                    break
+                K[:, s:s + m], V[:, s:s + m] = ck[:m].transpose(0, 1), cv[:m].transpose(0, 1)
+                s += m
+            K[:, old:], V[:, old:] = k_new, v_new
+            return K, V, pos
+        # the host store already holds this forward's tokens: attend only the positions before them
+        if layer not in self._next:
+            self.prefetch(layer)
+        k, v, ev = self._next.pop(layer)
+        torch.cuda.current_stream(self.device).wait_event(ev)
         K = torch.cat([k[:, :old], k_new], dim=1)
         V = torch.cat([v[:, :old], v_new], dim=1)
-        self.n[layer] = old + T
-        if self.cuda:
-            self.prefetch(layer + 1)
-        pos = torch.arange(old + T, device=self.device).expand(self.h, -1)
+        self.prefetch(layer + 1)
         return K, V, pos
 
     def positions(self, layer: int) -> torch.Tensor:
@@ -276,8 +393,14 @@ class StreamedActiveSet:
         """Bytes of prefetched device K/V held right now (at most about one layer)."""
         return sum(2 * k.numel() * k.element_size() for k, _, _ in self._next.values())
 
-    def clone(self, store: HostKVStore) -> "StreamedActiveSet":
-        """A fresh streamed set over ``store``."""
+    def buffers(self):
+        """The prefetched device K and V held right now (at most about one layer)."""
+        for k, v, _ in self._next.values():
+            yield k
+            yield v
+
+    def fork(self, store: HostKVStore) -> "StreamedActiveSet":
+        """A fresh streamed set over ``store`` (nothing of it stays on the device to share)."""
         other = StreamedActiveSet(store, self.device, self.dtype)
         other.n = list(self.n)
         other._stream = self._stream

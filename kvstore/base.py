@@ -57,6 +57,13 @@ class FullKVCache:
     Storage per layer is [Hkv, capacity, d] for K and V; capacity doubles when full, so appending
     costs amortized O(1) copies per token (no per-token reallocation).
 
+    A fork shares the buffers (copy-on-write): storage is append-only and each side reads only its
+    first ``n_tokens`` positions, so the first side to append after the fork writes in place; a side
+    that finds the other already wrote past its end copies its positions of that layer into fresh
+    buffers first (O(context), paid at its first forward, not at the fork). Attention here reads one
+    contiguous [Hkv, N, d] tensor, so two sides that both decode do end up with a copy each; sharing
+    the prefix during decoding needs attention that reads the prefix and each side's tail separately.
+
     Args:
         n_layers, n_kv_heads, head_dim: model shapes.
         device, dtype: where and how K/V are stored.
@@ -69,19 +76,23 @@ class FullKVCache:
         self.device, self.dtype = device, dtype
         self.k = [torch.empty(n_kv_heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.empty_like(x) for x in self.k]
+        self._end = [[0] for _ in range(n_layers)]   # per layer: positions written into the buffers by
+        #                                              any fork sharing them (one list object per buffer)
         self.n_tokens = 0
         self.meter = KVMeter(self.token_bytes(), None, device.type)
 
     def _grow(self, layer: int, need: int) -> None:
         cap = self.k[layer].shape[1]
-        if need <= cap:
+        mine = self._end[layer][0] == self.n_tokens
+        if need <= cap and mine:
             return
-        new_cap = max(need, 2 * cap)
+        new_cap = max(need, 2 * cap) if need > cap else cap
         for store in (self.k, self.v):
             old = store[layer]
             grown = torch.empty(old.shape[0], new_cap, old.shape[2], device=old.device, dtype=old.dtype)
-            grown[:, :cap] = old
+            grown[:, :self.n_tokens] = old[:, :self.n_tokens]
             store[layer] = grown
+        self._end[layer] = [self.n_tokens]
 
     def update(self, layer, q, k, v):
         """See :meth:`KVCache.update`; returns all positions written so far."""
@@ -90,6 +101,7 @@ class FullKVCache:
         self._grow(layer, end)
         self.k[layer][:, self.n_tokens:end] = k
         self.v[layer][:, self.n_tokens:end] = v
+        self._end[layer][0] = end
         return self.k[layer][:, :end], self.v[layer][:, :end]
 
     def end_forward(self, token_ids, text):
@@ -100,13 +112,17 @@ class FullKVCache:
         self.meter.step(self.n_tokens, self.n_tokens * b, self.n_tokens, is_prompt, device_bytes=self.device_bytes())
 
     def fork(self):
-        """A deep copy holding the same positions."""
-        other = FullKVCache(*self.shape, self.device, self.dtype, capacity=max(self.n_tokens, 1))
-        for src, dst in ((self.k, other.k), (self.v, other.v)):
-            for li in range(len(src)):
-                dst[li][:, :self.n_tokens] = src[li][:, :self.n_tokens]
+        """A cache holding the same positions, sharing the buffers until one side must copy (see above)."""
+        other = FullKVCache.__new__(FullKVCache)
+        other.shape, other.device, other.dtype = self.shape, self.device, self.dtype
+        other.k, other.v, other._end = list(self.k), list(self.v), list(self._end)
         other.n_tokens, other.meter = self.n_tokens, self.meter.copy()
         return other
+
+    def storages(self):
+        """``("device", tensor)`` for every K/V buffer held (see :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
+        for t in (*self.k, *self.v):
+            yield "device", t
 
     def token_bytes(self) -> int:
         """Bytes of K and V of one position over all layers."""

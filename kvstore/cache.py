@@ -15,14 +15,14 @@ import copy
 
 import torch
 
-from .stats import KVMeter, KVStats
-
 from .active_set import ResidentActiveSet, StreamedActiveSet
 from .events import EventBus
-from .host_store import HostKVStore
+from .host_store import BLOCK, HostKVStore
 from .policy import ForwardInfo, KVPolicy, LayerView, PolicyContext
+from .stats import KVMeter, KVStats
 
 OFFLOAD_MODES = ("resident", "stream")
+STREAM_BLOCK = 512   # host-store block of a streamed cache (positions)
 
 
 class PolicyKVCache:
@@ -35,7 +35,9 @@ class PolicyKVCache:
         offload: ``resident`` (selected K/V stay on the device; moves only what changed) or ``stream``
             (every layer copied from the host each step; the full policy only).
         events: bus the policy's recompute events go to (None: dropped).
-        capacity: positions the host store reserves at first (tokens; it doubles when full).
+        block: positions per host-store block (see :mod:`zoomr.kvstore.host_store`); None: 64 when
+            resident (a fork copies < 64 positions per layer), 512 when streamed (each step copies every
+            block to the device, so fewer, larger copies).
     Raises:
         ValueError: unknown offload mode, or ``stream`` with a policy that selects.
 
@@ -45,14 +47,16 @@ class PolicyKVCache:
 
     def __init__(self, policy: KVPolicy, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, offload: str = "resident",
-                 events: EventBus | None = None, capacity: int = 256):
+                 events: EventBus | None = None, block: int | None = None):
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload {offload!r} unknown (choose from {', '.join(OFFLOAD_MODES)})")
         if offload == "stream" and policy.name != "full":
             raise ValueError(f"offload 'stream' copies every position each step; policy {policy.name} selects")
         self.policy, self.device, self.dtype, self.offload = policy, device, dtype, offload
         self.events = events
-        self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, capacity)
+        if block is None:
+            block = BLOCK if offload == "resident" else STREAM_BLOCK
+        self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, block)
         active_cls = ResidentActiveSet if offload == "resident" else StreamedActiveSet
         self.active = active_cls(self.store, device, dtype)
         self.ctx = PolicyContext(n_layers, n_heads, n_kv_heads, head_dim, device, self.store, self._emit)
@@ -99,17 +103,31 @@ class PolicyKVCache:
         return self.active.positions(layer)
 
     def fork(self) -> "PolicyKVCache":
-        """An independent copy: store, active set and policy state cloned; events go to the same bus."""
+        """A cache with the same contents and a separate future; events go to the same bus.
+
+        Shares what is stored (copy-on-write): the host store's sealed blocks (its tails, < ``block``
+        positions per layer, are copied), the active set's device buffers (a side that appends after
+        the other copies its O(active) part then) and whatever the policy holds immutably
+        (:meth:`zoomr.kvstore.policy.KVPolicy.fork` says what each policy copies). Neither side ever
+        sees the other's later tokens or selections.
+        """
         other = copy.copy(self)
-        other.store = self.store.clone()
-        other.active = self.active.clone(other.store)
+        other.store = self.store.fork()
+        other.active = self.active.fork(other.store)
         other.ctx = PolicyContext(self.ctx.n_layers, self.ctx.n_heads, self.ctx.n_kv_heads, self.ctx.head_dim,
                                   self.device, other.store, other._emit)
-        # the policy's state is copied deeply, except its context, which becomes the fork's
-        other.policy = copy.deepcopy(self.policy, memo={id(self.ctx): other.ctx})
+        other.policy = self.policy.fork(other.ctx)
         other._attended = list(self._attended)
         other.meter = self.meter.copy()
         return other
+
+    def storages(self):
+        """``(where, tensor)`` for every K/V buffer held: ``host`` store blocks and tails, ``device``
+        active-set buffers (see :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
+        for t in self.store.buffers():
+            yield "host", t
+        for t in self.active.buffers():
+            yield "device", t
 
     def stats(self) -> KVStats:
         """Active = positions attended at the last forward (max over layers; bytes summed over layers).

@@ -13,6 +13,10 @@ class FullPolicy(KVPolicy):
 
     name = "full"
 
+    def fork(self, ctx):
+        """No state: a fork costs one object."""
+        return self._fork_shallow(ctx)
+
 
 @dataclass(frozen=True)
 class FullConfig(PolicyConfig):

@@ -73,5 +73,13 @@ class H2OPolicy(KVPolicy):
             self.score[layer] = acc = grown
         return acc
 
+    def fork(self, ctx):
+        """Copies the accumulated scores (written in place every forward): L × [Hkv, capacity] float32,
+        i.e. 4·Hkv bytes per position per layer, 1/(2·d) of the fp32 K/V it stands for (1/128 at
+        head_dim 64). It is the one policy state that grows with the context."""
+        other = self._fork_shallow(ctx)
+        other.score = {layer: acc.clone() for layer, acc in self.score.items()}
+        return other
+
     def describe(self) -> str:
         return f"h2o(B={self.budget}, heavy={self.budget - self.window}, recent={self.window})"

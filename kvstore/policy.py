@@ -16,6 +16,7 @@ ones (RoPE is never re-applied), so a policy may bring back any position ever wr
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -123,6 +124,21 @@ class KVPolicy:
         """Policy numbers for ``KVStats.extra`` (JSON-ready)."""
         return {}
 
+    def fork(self, ctx: PolicyContext) -> "KVPolicy":
+        """This policy's state for a forked cache whose context is ``ctx``; independent from here on.
+
+        The default deep-copies everything but the context (safe for any subclass). zoomr's policies
+        override it to share what they never modify in place and copy the rest; a subclass that adds
+        state it mutates in place must copy that state in its own override.
+        """
+        return copy.deepcopy(self, memo={id(self.ctx): ctx})
+
+    def _fork_shallow(self, ctx: PolicyContext) -> "KVPolicy":
+        # a copy sharing every attribute; callers replace the containers they mutate
+        other = copy.copy(self)
+        other.ctx = ctx
+        return other
+
     def describe(self) -> str:
         """Short description with the knobs in force, e.g. ``h2o(B=64, recent=32)``."""
         return self.name
@@ -198,3 +214,9 @@ class QueryWindow:
             new_pos = torch.cat([self.pos[view.layer], new_pos])
         self.q[view.layer], self.pos[view.layer] = q[:, -self.size:], new_pos[-self.size:]
         return self.q[view.layer], self.pos[view.layer]
+
+    def copy(self) -> "QueryWindow":
+        """An independent window sharing the held tensors (:meth:`push` replaces them, never writes them)."""
+        other = QueryWindow(self.size)
+        other.q, other.pos = dict(self.q), dict(self.pos)
+        return other

@@ -96,5 +96,11 @@ class RKVPolicy(KVPolicy):
         score = self.mix * importance - (1 - self.mix) * redundancy(keys)[:, :N - w]
         return keep_top(score, pos[:, :N - w], self.budget - w, pos[:, N - w:])
 
+    def fork(self, ctx):
+        """Shares the query window's tensors (replaced, never written): O(L) per fork."""
+        other = self._fork_shallow(ctx)
+        other.queries = self.queries.copy()
+        return other
+
     def describe(self) -> str:
         return f"rkv(B={self.budget}, window={self.window}, λ={self.mix}, buffer={self.slack})"

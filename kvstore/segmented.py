@@ -72,6 +72,12 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
                                      len(segs), self.tracker.mode_ran()))
         return selection.expand(self.ctx.n_kv_heads, -1)
 
+    def fork(self, ctx):
+        """Shares the closed segments (see :meth:`SegmentTracker.copy`); copies the open segment's chunks."""
+        other = self._fork_shallow(ctx)
+        other.tracker = self.tracker.copy()
+        return other
+
     def on_closed(self, segments: list[Segment]) -> None:
         """Called with newly closed segments (before :meth:`choose`)."""
 

@@ -80,7 +80,7 @@ class Segment:
         return self.summary if self.kind == "model" else tuple(self.regular)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Chunk:
     first: int   # first position
     n: int       # positions
@@ -114,6 +114,12 @@ class _Open:
         """Index of the chunk holding character ``char`` of :attr:`text`."""
         return min(bisect.bisect_right(self._ends, char), len(self.chunks) - 1)
 
+    def copy(self) -> "_Open":
+        """An independent open part sharing the (frozen) chunks."""
+        other = _Open.__new__(_Open)
+        other.start, other.chunks, other.text, other._ends = self.start, list(self.chunks), self.text, list(self._ends)
+        return other
+
     def split(self, i: int) -> tuple[list[_Chunk], "_Open"]:
         """Chunks before index ``i``, and the rest as a new open part."""
         rest = self.chunks[i:]
@@ -146,6 +152,16 @@ class SegmentTracker:
         self._open: _Open | None = None
         self._regular: list[_Chunk] | None = None   # R_i while its summary is being written
         self._model_seen = False
+
+    def copy(self) -> "SegmentTracker":
+        """An independent tracker sharing the closed segments (frozen): O(segments + chunks of the open
+        segment) pointers, no text copied (strings are immutable)."""
+        other = SegmentTracker.__new__(SegmentTracker)
+        other.mode, other.max_segment, other._model_seen = self.mode, self.max_segment, self._model_seen
+        other.segments = list(self.segments)
+        other._open = None if self._open is None else self._open.copy()
+        other._regular = None if self._regular is None else list(self._regular)
+        return other
 
     @property
     def open_start(self) -> int | None:

@@ -70,5 +70,11 @@ class SnapKVPolicy(KVPolicy):
         cand = pos[:, :N - self.window]
         return keep_top(pooled, cand, self.budget - self.window, pos[:, N - self.window:])
 
+    def fork(self, ctx):
+        """Shares the query window's tensors (replaced, never written): O(L) per fork."""
+        other = self._fork_shallow(ctx)
+        other.queries = self.queries.copy()
+        return other
+
     def describe(self) -> str:
         return f"snapkv(B={self.budget}, window={self.window}, pool={self.kernel}, buffer={self.slack})"

@@ -147,3 +147,24 @@ class KVMeter:
         other = KVMeter.__new__(KVMeter)
         other.__dict__.update(self.__dict__)
         return other
+
+
+def distinct_kv_bytes(caches) -> dict[str, int]:
+    """K/V bytes a group of caches (a sequence and its forks) holds, each shared buffer counted once.
+
+    Args:
+        caches: objects with ``storages()`` (:class:`zoomr.kvstore.base.FullKVCache`,
+            :class:`zoomr.kvstore.cache.PolicyKVCache`), yielding ``(where, tensor)`` pairs.
+    Returns:
+        ``{"host": bytes, "device": bytes}`` of distinct storages (allocated capacity, bytes).
+    Raises:
+        TypeError: a cache without ``storages()``.
+    """
+    seen: dict[str, dict[int, int]] = {"host": {}, "device": {}}
+    for cache in caches:
+        if not hasattr(cache, "storages"):
+            raise TypeError(f"{type(cache).__name__} does not list its storages")
+        for where, t in cache.storages():
+            st = t.untyped_storage()
+            seen[where][st.data_ptr()] = st.nbytes()
+    return {where: sum(d.values()) for where, d in seen.items()}

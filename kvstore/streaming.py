@@ -55,6 +55,10 @@ class StreamingPolicy(KVPolicy):
         keep = torch.cat([torch.arange(self.sink), torch.arange(n - self.window, n)])
         return keep.expand(self.ctx.n_kv_heads, -1)
 
+    def fork(self, ctx):
+        """No state beyond the knobs: a fork costs one object."""
+        return self._fork_shallow(ctx)
+
     def describe(self) -> str:
         return f"streaming(B={self.budget}, sink={self.sink}, window={self.window})"
 

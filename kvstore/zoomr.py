@@ -67,6 +67,13 @@ class ZoomRPolicy(SegmentedPolicy):
         self.ag: list[float] = []
         self.voted_last = 0                           # |I_all| at the last recompute
 
+    def fork(self, ctx):
+        """Shares the mean keys (extended by concatenation, never written) and the newest queries
+        (replaced each forward): O(L + segments) pointers, plus the AG history (one float per recompute)."""
+        other = super().fork(ctx)
+        other.queries, other.ag = dict(self.queries), list(self.ag)
+        return other
+
     def observe(self, view: LayerView) -> None:
         """Keep the newest token's query of this layer (scored at the next boundary)."""
         self.queries[view.layer] = view.q[:, -1].float()

@@ -14,19 +14,23 @@ from policy_drive import D, H, HKV, L, drive
 CPU = torch.device("cpu")
 
 
-def test_host_store_grows_by_doubling_and_gathers():
-    store = HostKVStore(1, 2, 3, torch.float32, CPU, capacity=4)
+def test_host_store_fills_blocks_and_gathers():
+    store = HostKVStore(1, 2, 3, torch.float32, CPU, block=4)
     data = torch.randn(2, 1000, 3)
     buffers = set()
     for t in range(1000):
         store.append(0, data[:, t:t + 1], -data[:, t:t + 1])
-        buffers.add(store.k[0].data_ptr())
-    assert len(buffers) <= 9                      # 4 → 8 → … → 1024: no per-token reallocation
+        buffers.add(store.tail_k[0].data_ptr() if store.tail_k[0] is not None else None)
+    assert len(store.sealed_k[0]) == 250 and store.tail_k[0] is None   # one block per 4 positions
+    assert len(buffers) <= 251                    # no per-token reallocation
     heads, positions = torch.tensor([0, 1, 1]), torch.tensor([999, 0, 500])
     k, v = store.gather(0, heads, positions)
     assert torch.equal(k, data[heads, positions]) and torch.equal(v, -data[heads, positions])
     with pytest.raises(IndexError, match="not written"):
         store.gather(0, heads, torch.tensor([0, 1, 1000]))
+    store.append(0, data[:, :9], data[:, :9])     # a forward across block edges
+    assert store.n[0] == 1009 and len(store.sealed_k[0]) == 252
+    assert torch.equal(store.keys(torch.arange(1000, 1009))[0], data[:, :9])
 
 
 def test_active_set_moves_only_what_changed():

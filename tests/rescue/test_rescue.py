@@ -69,7 +69,7 @@ def rkv_cache(backend):
 
 def resident(backend: TorchBackend, seq) -> int:
     """Positions the torch base will attend from its next forward on (most over layers). A fork applies
-    the policy's pending selection to the parent (``ResidentActiveSet.clone``), so probe with one."""
+    the policy's pending selection to the parent (``ResidentActiveSet.fork``), so probe with one."""
     backend.free(backend.fork(seq))
     return max(seq.cache.positions(layer).shape[1] for layer in range(backend.cfg.n_layers))
 
