@@ -158,7 +158,10 @@ class Decoder:
             all_logits: logits of every row [S, vocab] instead of each sequence's last row [B, vocab].
             attention: ``per_seq`` (one SDPA call per sequence), ``padded`` (decode only: every length 1;
                 the B attended sets zero-padded to the longest and masked, one SDPA call), or ``auto``
-                (``per_seq``: measured faster on CPU at batch 1-16 by benchmarks/batch_throughput.py).
+                (``per_seq``). On a 2-core CPU the two were equal within the run-to-run noise at batch
+                1-16 (benchmarks/batch_throughput.py --attention per_seq padded), while the
+                projections took ~75 % of a batch-8 step; ``padded`` needs no per-length kernel and is
+                the natural one for a device where each SDPA launch costs (not measured on CUDA yet).
         Returns:
             float32 logits on the model's device, [B, vocab] (or [S, vocab] with ``all_logits``).
         Raises:
