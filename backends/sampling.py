@@ -81,6 +81,8 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """One token id drawn from ``logits`` (shape [vocab])."""
+        if self.params.temperature == 0.0:
+            return int(np.argmax(logits))   # first maximum, as torch's argmax in sample_batch
         row = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))[None]
         return int(sample_batch(row, [self])[0][0])
 
