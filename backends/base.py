@@ -114,6 +114,26 @@ class Backend(Protocol):
         """Append one token; returns next-token logits, shape [vocab]."""
         ...
 
+    def prefill_batch(self, seqs: list[Sequence], ids_list: list[list[int]], all_logits: bool = False
+                      ) -> np.ndarray | list[np.ndarray]:
+        """Append ``ids_list[b]`` (ragged lengths, each ≥ 1) to ``seqs[b]`` for B ≥ 1 distinct sequences,
+        batched where the runtime can (each sequence keeps its own KV policy).
+
+        Returns logits [B, vocab] of each sequence's last position, or a list of B arrays [T_b, vocab]
+        with ``all_logits``. Raises ValueError (one line) on an empty batch, lengths that differ, a
+        repeated sequence, an empty id list, or the errors of :meth:`prefill`, before any sequence advances.
+        """
+        ...
+
+    def decode_batch(self, seqs: list[Sequence], tokens: list[int], on_device: bool = False):
+        """Append ``tokens[b]`` to ``seqs[b]`` for B ≥ 1 distinct sequences in one forward.
+
+        Returns next-token logits [B, vocab]: float32 numpy, or with ``on_device`` whatever array the
+        runtime holds them in (a torch tensor on the torch backend's device), ready for
+        :func:`zoomr.backends.sampling.sample_batch`. Raises as :meth:`prefill_batch`.
+        """
+        ...
+
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence sharing ``seq``'s state; the prefix is never decoded again."""
         ...

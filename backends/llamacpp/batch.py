@@ -39,6 +39,26 @@ class Batch:
         b.logits[n - 1] = True
         b.n_tokens = self.n_tokens = n
 
+    def set_runs(self, runs: list[tuple[list[int], int, int]], all_logits: bool) -> list[int]:
+        """Rows for several sequences' consecutive positions, packed in order: ``runs`` holds
+        (tokens, first position, sequence id) each. Logits of every run's last row, or of every row.
+
+        Returns:
+            the row index of each run's first token (the rows of run i are ``starts[i] …``).
+        """
+        b, i, starts = self.raw, 0, []
+        for tokens, pos0, seq_id in runs:
+            starts.append(i)
+            for j, t in enumerate(tokens):
+                b.token[i] = t
+                b.pos[i] = pos0 + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq_id
+                b.logits[i] = all_logits or j == len(tokens) - 1
+                i += 1
+        b.n_tokens = self.n_tokens = i
+        return starts
+
     def set_rows(self, tokens: list[int], positions: list[int], seq_ids: list[int]) -> None:
         """One row per (token, position, sequence id), logits for every row (a step of several sequences)."""
         b = self.raw

@@ -320,27 +320,30 @@ class LlamaCppBackend:
         """
         return self.prefill(seq, [token])
 
-    def decode_many(self, seqs: list[LlamaCppSequence], tokens: list[int]) -> np.ndarray:
+    def decode_batch(self, seqs: list[LlamaCppSequence], tokens: list[int], on_device: bool = False) -> np.ndarray:
         """One token for each of several sequences in a single ``llama_decode`` (a step of N candidates).
 
         Args:
             seqs: N distinct live sequences.
             tokens: N ids, ``tokens[i]`` appended to ``seqs[i]``.
+            on_device: accepted for the torch backend's signature; llama.cpp's logits are read on the host.
         Returns:
             float32 logits [N, vocab]; row i is ``seqs[i]``'s next-token distribution.
         Raises:
-            ValueError: lengths differ, a sequence repeats or was freed, N > n_batch, bad ids,
-                a full context.
+            ValueError: empty batch, lengths differ, a sequence repeats or was freed, N > n_batch, bad
+                ids, a full context.
             BackendError: llama_decode failed (no sequence advanced).
         """
         tokens = [int(t) for t in tokens]
-        if len(seqs) != len(tokens) or not seqs:
-            raise ValueError(f"decode_many needs one token per sequence, got {len(seqs)} sequences, "
+        if not seqs:
+            raise ValueError("a batch needs at least one sequence")
+        if len(seqs) != len(tokens):
+            raise ValueError(f"a batch needs one token per sequence, got {len(seqs)} sequences and "
                              f"{len(tokens)} tokens")
         if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("decode_many: a sequence appears twice")
+            raise ValueError("a sequence appears twice in one batch")
         if len(seqs) > self._batch.capacity:
-            raise ValueError(f"decode_many: {len(seqs)} sequences exceed n_batch {self._batch.capacity}")
+            raise ValueError(f"a batch of {len(seqs)} sequences exceeds n_batch {self._batch.capacity}")
         for s in seqs:
             self._check_live(s)
         self._check_ids(tokens)
@@ -353,6 +356,53 @@ class LlamaCppBackend:
             self._appended(s, [t])
             self._observed(s, s.n_written - 1, [t])
         return out
+
+    decode_many = decode_batch  # its earlier name, kept for callers written before the batched interface
+
+    def prefill_batch(self, seqs: list[LlamaCppSequence], ids_list: list[list[int]],
+                      all_logits: bool = False) -> np.ndarray | list[np.ndarray]:
+        """Prefill several sequences (ragged lengths) in one ``llama_decode`` when they fit in it.
+
+        One decode when the rows fit ``n_batch`` and no sequence would reach its policy's cap (no
+        eviction is due mid-prompt); otherwise each sequence runs :meth:`prefill` in turn (same result).
+
+        Returns:
+            float32 [B, vocab], each sequence's last-position logits; with ``all_logits`` a list of B
+            arrays [T_b, vocab].
+        Raises:
+            ValueError: empty batch, lengths that differ, a repeated or freed sequence, an empty id list,
+                ids outside the vocabulary, a full context (policy ``full``): checked before anything runs.
+            BackendError: llama_decode failed (no sequence advanced).
+        """
+        ids_list = [[int(t) for t in ids] for ids in ids_list]
+        if not seqs:
+            raise ValueError("a batch needs at least one sequence")
+        if len(seqs) != len(ids_list):
+            raise ValueError(f"a batch needs one id list per sequence, got {len(seqs)} sequences and "
+                             f"{len(ids_list)} id lists")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        for s, ids in zip(seqs, ids_list):
+            self._check_live(s)
+            self._check_ids(ids)
+            if not s.policy.evicts and len(s.tokens) + len(ids) > s.policy.cap:
+                raise ValueError(f"context full: {len(s.tokens)} + {len(ids)} tokens exceed -c {self.n_ctx}")
+        fits = sum(map(len, ids_list)) <= self._batch.capacity and all(
+            len(s.tokens) + len(ids) < s.policy.cap for s, ids in zip(seqs, ids_list))
+        if not fits:
+            rows = [self.prefill(s, ids, all_logits) for s, ids in zip(seqs, ids_list)]
+            return rows if all_logits else np.stack(rows)
+        starts = self._batch.set_runs([(ids, len(s.tokens), s.seq_id) for s, ids in zip(seqs, ids_list)], all_logits)
+        self._run(seqs)
+        rows = []
+        for s, ids, i0 in zip(seqs, ids_list, starts):
+            picks = range(i0, i0 + len(ids)) if all_logits else [i0 + len(ids) - 1]
+            rows.append(np.stack([self._logits(i) for i in picks]) if all_logits else self._logits(picks[0]))
+        for s, ids in zip(seqs, ids_list):
+            start = s.n_written
+            self._appended(s, ids)
+            self._observed(s, start, ids)
+        return rows if all_logits else np.stack(rows)
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:

@@ -161,6 +161,93 @@ class TorchBackend:
         """See :meth:`zoomr.backends.base.Backend.decode`."""
         return self._forward(seq, [int(token)], False)
 
+    def _check_batch(self, seqs: list[TorchSequence], ids_list: list[list[int]]) -> None:
+        if not seqs:
+            raise ValueError("a batch needs at least one sequence")
+        if len(seqs) != len(ids_list):
+            raise ValueError(f"a batch needs one id list per sequence, got {len(seqs)} sequences and "
+                             f"{len(ids_list)} id lists")
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        for i, (seq, ids) in enumerate(zip(seqs, ids_list)):
+            if not ids:
+                raise ValueError(f"batch row {i}: cannot run a forward over zero tokens")
+            if len(seq.tokens) + len(ids) > self.n_ctx:
+                raise ValueError(f"batch row {i}: context full: {len(seq.tokens)} + {len(ids)} tokens exceed "
+                                 f"-c {self.n_ctx}")
+            if min(ids) < 0 or max(ids) >= self.cfg.vocab:
+                raise ValueError(f"batch row {i}: token id outside the vocabulary [0, {self.cfg.vocab})")
+
+    def forward_batch(self, seqs: list[TorchSequence], ids_list: list[list[int]], all_logits: bool = False,
+                      attention: str = "auto") -> torch.Tensor:
+        """Append ``ids_list[b]`` to ``seqs[b]`` for every b in one forward; logits stay on the device.
+
+        Every sequence keeps its own cache and policy (see :meth:`Decoder.forward_batch`); after the
+        forward each cache's ``end_forward`` runs with its own tokens and text, in batch order.
+
+        Args:
+            seqs: B ≥ 1 distinct sequences.
+            ids_list: B id lists, each ≥ 1 token (lengths may differ).
+            all_logits: return every position's logits (rows of sequence b are consecutive, in order).
+            attention: see :meth:`Decoder.forward_batch`.
+        Returns:
+            float32 torch tensor on the backend's device: [B, vocab], each sequence's next-token logits,
+            or [Σ T_b, vocab] with ``all_logits``.
+        Raises:
+            ValueError: empty batch, lengths that differ, a repeated sequence, an empty id list, an id
+                outside the vocabulary, ``-c`` exceeded (checked for every row before anything runs, so
+                no sequence advances). An error inside a cache's update leaves the batch's caches
+                partly written, as for a single forward.
+        """
+        ids_list = [[int(t) for t in ids] for ids in ids_list]
+        self._check_batch(seqs, ids_list)
+        flat = [t for ids in ids_list for t in ids]
+        pos = [p for seq, ids in zip(seqs, ids_list) for p in range(seq.cache.n_tokens, seq.cache.n_tokens + len(ids))]
+        t_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        t_pos = torch.tensor(pos, dtype=torch.long, device=self.device)
+        logits = self.model.forward_batch(t_ids, t_pos, [len(ids) for ids in ids_list], [s.cache for s in seqs],
+                                          all_logits=all_logits, attention=attention)
+        for seq, ids in zip(seqs, ids_list):
+            seq.cache.end_forward(ids, self.tokenizer.decode(ids))
+            seq.tokens.extend(ids)
+        return logits
+
+    def prefill_batch(self, seqs: list[TorchSequence], ids_list: list[list[int]],
+                      all_logits: bool = False) -> np.ndarray | list[np.ndarray]:
+        """Prefill several prompts (ragged lengths) in one forward.
+
+        Returns:
+            float32 numpy [B, vocab], each sequence's last-position logits; with ``all_logits`` a list
+            of B arrays [T_b, vocab].
+        Raises:
+            ValueError: see :meth:`forward_batch`.
+        """
+        out = self.forward_batch(seqs, ids_list, all_logits).cpu().numpy()
+        if not all_logits:
+            return out
+        cuts = np.cumsum([len(ids) for ids in ids_list])[:-1]
+        return np.split(out, cuts)
+
+    def decode_batch(self, seqs: list[TorchSequence], tokens: list[int], on_device: bool = False
+                     ) -> np.ndarray | torch.Tensor:
+        """One token for each of B sequences in one forward.
+
+        Args:
+            seqs: B ≥ 1 distinct sequences (caches of any length, any policy).
+            tokens: B ids; ``tokens[b]`` is appended to ``seqs[b]``.
+            on_device: keep the logits on the device as a torch tensor (sample them there with
+                :func:`zoomr.backends.sampling.sample_batch`; only ids then cross to the host).
+        Returns:
+            float32 [B, vocab]: numpy, or a torch tensor on the backend's device with ``on_device``.
+        Raises:
+            ValueError: see :meth:`forward_batch`.
+        """
+        if len(seqs) != len(tokens):
+            raise ValueError(f"a batch needs one token per sequence, got {len(seqs)} sequences and "
+                             f"{len(tokens)} tokens")
+        logits = self.forward_batch(seqs, [[t] for t in tokens])
+        return logits if on_device else logits.cpu().numpy()
+
     def fork(self, seq: TorchSequence) -> TorchSequence:
         """A copy of ``seq`` whose cache is cloned; no token is recomputed."""
         return TorchSequence(seq.cache.fork(), list(seq.tokens))
