@@ -51,6 +51,7 @@ class PolicyKVCache:
         if offload == "stream" and policy.name != "full":
             raise ValueError(f"offload 'stream' copies every position each step; policy {policy.name} selects")
         self.policy, self.device, self.dtype, self.offload = policy, device, dtype, offload
+        self.needs_text = policy.needs_text
         self.events = events
         self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, capacity)
         active_cls = ResidentActiveSet if offload == "resident" else StreamedActiveSet

@@ -169,7 +169,8 @@ class TorchBackend:
         t_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         logits = self.model.forward(t_ids, pos, seq.cache, all_logits=all_logits)
-        seq.cache.end_forward(ids, self.tokenizer.decode(ids))
+        # only segment-tracking policies read the text: the others skip a detokenization per token
+        seq.cache.end_forward(ids, self.tokenizer.decode(ids) if getattr(seq.cache, "needs_text", True) else "")
         seq.tokens.extend(ids)
         return logits.cpu().numpy()
 
