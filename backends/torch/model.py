@@ -49,10 +49,13 @@ class Decoder:
                  quant: str = "none"):
         self.cfg, self.device, self.dtype, self.quant = cfg, device, dtype, check_quant(quant)
 
-        def t(name: str) -> torch.Tensor:
+        def t(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
             w = tensors[name]
             w = w.dequantize() if isinstance(w, GroupQuant) else w
-            return torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype)
+            return torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dt)
+
+        def norm(name: str) -> torch.Tensor:  # norms run on the fp32 residual stream
+            return t(name, torch.float32)
 
         def lin(names: list[str], bias: list[str] | None = None) -> Linear:
             b = np.concatenate([np.asarray(tensors[n], np.float32) for n in bias]) if bias else None
@@ -60,7 +63,7 @@ class Decoder:
 
         emb = tensors["model.embed_tokens.weight"]
         if isinstance(emb, GroupQuant) and quant != "none":
-            self.embed = QuantEmbedding(emb, device, dtype)  # exact rows, a quarter (Q8_0) of fp32's bytes
+            self.embed = QuantEmbedding(emb, device)  # exact rows, a quarter (Q8_0) of fp32's bytes
         else:
             self.embed = t("model.embed_tokens.weight")
         if cfg.tied_embeddings and isinstance(self.embed, torch.Tensor) and (
@@ -68,17 +71,17 @@ class Decoder:
             self.lm_head = DenseLinear.sharing(self.embed)  # one table for lookup and head
         else:
             self.lm_head = lin(["model.embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"])
-        self.norm = t("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append(_Layer(
-                attn_norm=t(p + "input_layernorm.weight"),
+                attn_norm=norm(p + "input_layernorm.weight"),
                 qkv=lin([a + f"{x}_proj.weight" for x in "qkv"],
                         [a + f"{x}_proj.bias" for x in "qkv"] if cfg.attn_bias else None),
                 o=lin([a + "o_proj.weight"]),
-                mlp_norm=t(p + "post_attention_layernorm.weight"),
+                mlp_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=lin([p + "mlp.down_proj.weight"]),
             ))
@@ -108,8 +111,9 @@ class Decoder:
         return f"{'/'.join(body)}, head {self.lm_head.kind}"
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # one fused op (statistics in fp32 for half inputs) instead of seven small ones: decode runs 61 per token
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_eps)
+        # x: the fp32 residual stream; one fused op instead of seven small ones (decode runs 61 per token),
+        # the result in the compute dtype the linears take
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_eps).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -129,7 +133,9 @@ class Decoder:
         cfg = self.cfg
         T = ids.shape[0]
         H, Hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x = self.embed[ids]
+        # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
+        # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
+        x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
         mask = None
         mask_n = -1

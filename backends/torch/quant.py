@@ -337,21 +337,21 @@ class QuantEmbedding:
     """Token embedding rows dequantized on lookup from the file's blocks (exact: fp32 ``code · scale + zero``).
 
     Args:
-        q: [V, hidden] quantized table; device, dtype: where the rows are computed, the dtype returned.
+        q: [V, hidden] quantized table; device: where the rows are computed.
     """
 
-    def __init__(self, q: GroupQuant, device: torch.device, dtype: torch.dtype):
+    def __init__(self, q: GroupQuant, device: torch.device):
         self.codes = torch.from_numpy(q.codes.astype(np.int8 if q.bits == 8 else np.uint8)).to(device)
         self.scale = torch.from_numpy(q.scale).to(device)
         self.zero = torch.from_numpy(q.zero).to(device)
-        self.group, self.dtype = q.group, dtype
+        self.group = q.group
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] int64 → [T, hidden] in the compute dtype."""
+        """ids [T] int64 → [T, hidden] float32 (the decoder's residual stream)."""
         c = self.codes[ids].float()
         T, K = c.shape
         rows = c.view(T, K // self.group, self.group) * self.scale[ids][..., None] + self.zero[ids][..., None]
-        return rows.view(T, K).to(self.dtype)
+        return rows.view(T, K)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))

@@ -106,7 +106,7 @@ def test_quantize_int4_within_half_a_step():
 
 def test_embedding_rows_are_exact():
     q = from_gguf_blocks(random_blocks("Q8_0", rows=50, blocks=3, seed=6), "Q8_0")
-    emb = QuantEmbedding(q, CPU, torch.float32)
+    emb = QuantEmbedding(q, CPU)
     ids = torch.tensor([0, 7, 49, 7])
     np.testing.assert_array_equal(emb[ids].numpy(), q.dequantize()[ids.numpy()])
 
