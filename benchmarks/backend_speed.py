@@ -92,23 +92,24 @@ def main() -> None:
     from zoomr.backends.models import resolve_model
     from zoomr.backends.tokenizer import LlamaCppTokenizer
 
-    src = resolve_model(a.model)
-    ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
-    rows = [bench_llamacpp(src.path, ids, a.decode_tokens, a.threads)]
     for row in a.rows.split(","):
         if row not in ROWS:
             ap.error(f"--rows: {row!r} unknown (choose from {', '.join(ROWS)})")
-    for row in a.rows.split(","):
-        rows.append(bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device))
-    ref = rows[0]
-    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads")
+    src = resolve_model(a.model)
+    ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
+    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads", flush=True)
     print(f"{'engine':<14}{'prefill tok/s':>15}{'×llama.cpp':>12}{'decode tok/s':>14}{'×llama.cpp':>12}"
-          f"{'weights MiB':>13}  compute")
-    for r in rows:
-        r["decode_ratio"] = r["decode_tok_s"] / ref["decode_tok_s"]
-        r["prefill_ratio"] = r["prefill_tok_s"] / ref["prefill_tok_s"]
+          f"{'weights MiB':>13}  compute", flush=True)
+    rows = []
+    for row in ["llama.cpp"] + a.rows.split(","):  # each row printed as it finishes
+        r = (bench_llamacpp(src.path, ids, a.decode_tokens, a.threads) if row == "llama.cpp"
+             else bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device))
+        rows.append(r)
+        r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+        r["prefill_ratio"] = r["prefill_tok_s"] / rows[0]["prefill_tok_s"]
         print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['prefill_ratio']:>12.2f}{r['decode_tok_s']:>14.1f}"
-              f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}")
+              f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}",
+              flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
