@@ -64,7 +64,7 @@ class GroupQuant:
         scale, zero: [N, K // group] float32 (the file's fp16 values, widened exactly).
         group: weights per group along K.
         bits: 4 or 8, the codes' width.
-        source: where the values came from (``Q4_1``, ``int4 from fp32`` ...), for descriptions.
+        source: where the values came from (``Q4_1``, ``from float`` ...), for descriptions.
     """
 
     codes: np.ndarray
@@ -164,7 +164,7 @@ def quantize_int4(w: np.ndarray, group: int = GROUP) -> GroupQuant:
     scale = (hi - lo) / 15.0
     scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
     codes = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15).astype(np.int16)
-    return GroupQuant(codes.reshape(N, K), scale, lo.astype(np.float32), group, 4, "int4")
+    return GroupQuant(codes.reshape(N, K), scale, lo.astype(np.float32), group, 4, "from float")
 
 
 def _padded_rows(n: int, align: int) -> int:

@@ -168,3 +168,13 @@ def test_bad_quant_is_one_line_exit_2():
     r = zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int4", "--backend", "llamacpp")
     assert_one_line_error(r)
     assert "torch backend" in r.stderr
+
+
+def test_int4_at_load_quantizes_float_body_and_gives_the_head_int8(gguf_weights):
+    """HF-style float weights under --quant int4: the layers int4, the (tied) head int8 per row."""
+    from zoomr.backends.torch.model import Decoder
+
+    cfg, floats = gguf_weights
+    dec = Decoder(cfg, floats, CPU, torch.bfloat16, quant="int4")
+    assert dec.weight_summary() == "int4 (from float), head int8 (from float)"
+    assert isinstance(dec.embed, torch.Tensor)  # the lookup table stays dense
