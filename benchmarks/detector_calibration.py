@@ -5,8 +5,10 @@ it should keep, and how often it catches text that it should abort, with three g
 
 * ``before``: the constant τ_cmp = 0.18 at every fill of the 800-character window (zoomr up to issue 12: a
   short text was judged on its whole length as if it were a full window);
-* ``after``: the shipped :meth:`DetectorConfig.gzip_threshold`, τ_cmp · n / 800 for a window of n < 800
-  characters;
+* ``scaled``: :meth:`DetectorConfig.gzip_threshold`, τ_cmp · n / 800 for a window of n < 800 characters,
+  gzip alone;
+* ``after``: what ships: ``scaled`` plus the periodic-tail ``"cycle"`` test (digits masked; 256 characters
+  of repeat once the window is full, or 64 copies of one unit);
 * ``full_window``: no gzip abort at all before 800 characters (the alternative considered and rejected:
   a loop of one-character tokens never fills the window within a 512-token step).
 
@@ -77,7 +79,9 @@ class FullWindowOnly(DetectorConfig):
         return self.min_gzip_ratio if chars >= self.gzip_window else 0.0
 
 
-VARIANTS = {"before": ConstantThreshold(), "after": DetectorConfig(), "full_window": FullWindowOnly()}
+GZIP_ONLY = {"repeat_chars": 0, "max_copies": 0}
+VARIANTS = {"before": ConstantThreshold(**GZIP_ONLY), "scaled": DetectorConfig(**GZIP_ONLY), "after": DetectorConfig(),
+            "full_window": FullWindowOnly(**GZIP_ONLY)}
 
 
 @dataclass
@@ -125,7 +129,7 @@ def summary(results: list[dict]) -> dict:
     at = [r["abort_at"] + 1 for r in hit]
     finite = [r["margin"] for r in results if r["margin"] != float("inf")]
     return {"texts": len(results), "aborted": len(hit), "rate": round(len(hit) / max(1, len(results)), 4),
-            "by_reason": {k: sum(r["reason"] == k for r in hit) for k in ("entropy", "repetition")},
+            "by_reason": {k: sum(r["reason"] == k for r in hit) for k in ("entropy", "repetition", "cycle")},
             "median_tokens_to_abort": statistics.median(at) if at else None,
             "max_tokens_to_abort": max(at, default=None),
             "min_gzip_margin": round(min(finite), 3) if finite else None}
@@ -349,7 +353,8 @@ def run(a) -> int:
           f"{len(legit)} repetitive legitimate steps, {len(loops)} loops, {len(randoms)} random-token steps",
           file=sys.stderr)
 
-    two = {k: VARIANTS[k] for k in ("before", "after")}  # full_window aborts ⊆ before's: not rerun on 7097 steps
+    # full_window aborts ⊆ before's: not rerun on 7097 steps
+    two = {k: VARIANTS[k] for k in ("before", "scaled", "after")}
     gz = {"steps_200": evaluate(tok, steps200, VARIANTS), "all_steps": evaluate(tok, all_steps, two),
           "repetitive_legit": evaluate(tok, legit, VARIANTS), "loops": evaluate(tok, loops, VARIANTS),
           "incoherent": evaluate(tok, randoms, VARIANTS)}
@@ -409,36 +414,39 @@ def template_bins(results: list[dict]) -> dict:
             for t in range(len(COUNT_TEMPLATES))}
 
 
+def _cols(d: dict, key: str, names=("before", "scaled", "after")) -> str:
+    """``a → b → c`` of one count over the variants."""
+    return " → ".join(f"{d[v][key]}/{d[v]['texts']}" for v in names if v in d)
+
+
 def print_report(r: dict) -> None:
     g = r["gzip_alone"]
-    print("gzip signal alone (entropy 0): false aborts / detection, before → after (full-window-only rule)")
+    print("text signals alone (entropy 0): before → scaled → after (full-window-only rule in parentheses)")
     for s, label in (("steps_200", "200 solution steps"), ("all_steps", "all solution steps"),
                      ("repetitive_legit", "short repetitive legit steps")):
         f = g["false_aborts"][s]
         fw = f" ({f['full_window']['aborted']})" if "full_window" in f else ""
-        print(f"  false aborts, {label}: {f['before']['aborted']}/{f['before']['texts']} → "
-              f"{f['after']['aborted']}/{f['after']['texts']}{fw}; smallest margin {f['before']['min_gzip_margin']}"
-              f" → {f['after']['min_gzip_margin']}")
-    print(f"  repetitive legit aborted before: {', '.join(g['repetitive_legit_aborted']['before']) or 'none'}")
+        print(f"  false aborts, {label}: {_cols(f, 'aborted')}{fw}; smallest gzip margin "
+              f"{f['before']['min_gzip_margin']} → {f['after']['min_gzip_margin']}")
+    print(f"  repetitive legit aborted before: {', '.join(g['repetitive_legit_aborted']['before']) or 'none'}; "
+          f"after: {', '.join(g['repetitive_legit_aborted']['after']) or 'none'}")
     d = g["detection"]
     for fam in [k for k in d["after"] if k not in ("loops", "all")] + ["loops", "all"]:
-        b, a, w = d["before"][fam], d["after"][fam], d["full_window"][fam]
-        print(f"  detection {fam:>7}: {b['aborted']}/{b['texts']} → {a['aborted']}/{a['texts']} ({w['aborted']}); "
-              f"median tokens {b['median_tokens_to_abort']} → {a['median_tokens_to_abort']} "
-              f"({w['median_tokens_to_abort']})")
-    print(f"  cycles by period (after): {g['cycle_detection_by_period']['after']}")
-    print(f"  counting by template (after): {g['count_detection_by_template']['after']}")
+        cols = {v: d[v][fam] for v in VARIANTS}
+        print(f"  detection {fam:>7}: {_cols(cols, 'aborted')} ({cols['full_window']['aborted']}); median tokens "
+              f"{' → '.join(str(cols[v]['median_tokens_to_abort']) for v in ('before', 'scaled', 'after'))}; "
+              f"by reason after {cols['after']['by_reason']}")
+    for v in ("scaled", "after"):
+        print(f"  cycles by period ({v}): {g['cycle_detection_by_period'][v]}")
+        print(f"  counting by template ({v}): {g['count_detection_by_template'][v]}")
     if r["model"]:
         m = r["model"]
         f, i, al = m["false_aborts_steps"], m["detection_incoherent"], m["detection_all"]
         print(f"with the embedded model's entropies ({m['backend']}):")
-        print(f"  false aborts, first {m['steps_per_data_set']} steps of each set: {f['before']['aborted']}/"
-              f"{f['before']['texts']} → {f['after']['aborted']}/{f['after']['texts']} (by reason after: "
-              f"{f['after']['by_reason']}); highest 12-token mean entropy {m['max_mean_entropy_steps']} nats")
-        print(f"  detection, random tokens: {i['before']['aborted']}/{i['before']['texts']} → "
-              f"{i['after']['aborted']}/{i['after']['texts']}; median tokens {i['after']['median_tokens_to_abort']}")
-        print(f"  detection, loops + random tokens: {al['before']['aborted']}/{al['before']['texts']} → "
-              f"{al['after']['aborted']}/{al['after']['texts']}")
+        print(f"  false aborts, first {m['steps_per_data_set']} steps of each set: {_cols(f, 'aborted')} (by reason "
+              f"after: {f['after']['by_reason']}); highest 12-token mean entropy {m['max_mean_entropy_steps']} nats")
+        print(f"  detection, random tokens: {_cols(i, 'aborted')}; median tokens {i['after']['median_tokens_to_abort']}")
+        print(f"  detection, loops + random tokens: {_cols(al, 'aborted')}")
     print(f"({r['seconds']} s)")
 
 

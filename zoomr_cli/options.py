@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from zoomr.backends.sampling import SamplingParams
+from zoomr.errors import UserError
 from zoomr.kvstore.registry import knob_flags, policy_info
 
 
@@ -78,3 +79,48 @@ class RunOptions:
         """
         temp = default_temp if self.temp is None else self.temp
         return SamplingParams(temperature=temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed).validate()
+
+
+def knob_scope(policies: list[str], opts: RunOptions, chosen: str | None = None) -> list[str]:
+    """Which of ``policies`` each knob given applies to, as lines to show the user.
+
+    A knob none of them has is an error (it would silently do nothing); one that only some have is applied
+    to those alone (the others have no such knob) and said so.
+
+    Args:
+        policies: the policies that will run (bench's ``--policies``, or the one of solve and chat).
+        opts: the knobs given (``opts.knobs``: only those set on the command line).
+        chosen: how the refusal names a single policy that runs (``--policy full``, ``--base-policy rkv``);
+            None: the policies are bench's ``--policies``.
+    Raises:
+        UserError: a knob given that none of ``policies`` reads, naming the flag and the policies that do.
+    """
+    flags = knob_flags()
+    lines = []
+    for name, value in opts.knobs.items():
+        knob = flags[name]
+        applies = [p for p in policies if p in knob.readers]
+        if not applies:
+            raise UserError(not_read(knob.flag, knob.readers, chosen))
+        if len(applies) < len(policies):
+            lines.append(f"{knob.flag} {value} applies to {', '.join(applies)} only")
+    return lines
+
+
+def not_read(flag: str, readers: tuple[str, ...], chosen: str | None = None) -> str:
+    """The refusal of a knob that no policy run reads (``chosen``: see :func:`knob_scope`)."""
+    tail = f"not by {chosen}" if chosen else "and none of --policies is one of them"
+    return f"{flag} is read by {', '.join(readers)} only, {tail}"
+
+
+def check_knobs_read(opts: RunOptions, flag: str = "--policy") -> None:
+    """Refuse a knob given that ``opts.policy`` (the one policy a solve or chat runs) does not read.
+
+    Args:
+        flag: the option that chose the policy, for the message (``--policy``, ``--base-policy``).
+    Raises:
+        ValueError: an unknown policy.
+        UserError: ``--sink is read by streaming only, not by --policy full``.
+    """
+    policy_info(opts.policy)
+    knob_scope([opts.policy], opts, f"{flag} {opts.policy}")

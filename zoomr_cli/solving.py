@@ -95,9 +95,18 @@ def fit_prompt(tokenizer, problem: str, system: str | None, n_ctx: int) -> list[
     if system is not None:
         check_text(system, "the system message")
     ids = solve_prompt(tokenizer, problem, system)
-    if len(ids) >= n_ctx:
-        raise UserError(f"the prompt has {len(ids)} tokens, more than -c {n_ctx} allows")
+    check_fits(len(ids), n_ctx)
     return ids
+
+
+def check_fits(prompt_tokens: int, n_ctx: int) -> None:
+    """A prompt of ``prompt_tokens`` leaves room for a generated token in a context of ``n_ctx`` (tokens).
+
+    Raises:
+        UserError: ``the prompt has N tokens, more than -c N_CTX allows``.
+    """
+    if prompt_tokens >= n_ctx:
+        raise UserError(f"the prompt has {prompt_tokens} tokens, more than -c {n_ctx} allows")
 
 
 def solve(backend: Backend, problem: str, *, system: str | None = None, sampling: SamplingParams | None = None,

@@ -23,18 +23,25 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
 def pick_device(spec: str = "auto") -> torch.device:
-    """``auto`` → CUDA when available, else CPU; otherwise ``torch.device(spec)``.
+    """``auto`` → CUDA when available, else CPU; otherwise ``torch.device(spec)`` for ``cpu``, ``cuda``, ``cuda:N``.
 
     Raises:
-        ValueError: CUDA requested but not available, or an unknown device string.
+        ValueError: CUDA requested but not available, or any other device string (naming ``--device`` and
+            the choices).
     """
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(spec)
     except RuntimeError:
-        raise ValueError(f"unknown device {spec!r}") from None
+        dev = None
+    # torch also names devices (meta, mps, xpu ...) this backend was never run on
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r} unknown (choose from {', '.join(DEVICES)})")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but torch sees no CUDA device")
     return dev
@@ -49,7 +56,7 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
         spec: ``auto``, ``fp32``, ``bf16``, ``fp16`` (or the long names).
         kernel: what the model's linears run: ``dense``, ``int4`` or ``int8``.
     Raises:
-        ValueError: an unknown dtype name.
+        ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included).
     """
     if spec == "auto":
         if device.type == "cpu":
@@ -58,7 +65,7 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
             return cpu_half_dtype(kernel)
         return torch.bfloat16
     if spec not in DTYPES:
-        raise ValueError(f"unknown dtype {spec!r} (choose from fp32, bf16, fp16)")
+        raise ValueError(f"--dtype {spec!r} unknown (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[spec]
 
 
@@ -151,8 +158,12 @@ class TorchBackend:
 
     def describe(self) -> str:
         """One line: model, backend, device, dtype, weights, policy."""
+        return f"{self.describe_model()} · KV policy {self.policy_name}"
+
+    def describe_model(self) -> str:
+        """:meth:`describe` without the policy, for a caller that runs several policies on these weights."""
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
-                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers · KV policy {self.policy_name}")
+                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers")
 
     def new_sequence(self) -> TorchSequence:
         """An empty sequence with a fresh cache from the cache factory."""

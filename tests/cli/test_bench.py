@@ -222,6 +222,8 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["--policies", "full", "--budget", "32"], "--budget is read by"),
     (None, ["--policies", "full,rkv,zoomr", "--match-budget", "--budget", "32"], "drop --budget"),
     (None, ["-t", "-1"], "-t must be >= 1"),
+    # checked as solve checks its prompt, before the folder takes the run's settings
+    ("tiny_ctx", ["--out", "{o}", "-c", "24", "--policies", "full"], "problem 0: the prompt has"),
     ("config_list", ["--out", "{o}", "--resume"], "not a bench config"),
     ("records_no_config", ["--out", "{o}", "--resume"], "no config.json"),
     ("out_is_file", ["--out", "{d}"], "--out"),

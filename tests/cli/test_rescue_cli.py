@@ -100,6 +100,8 @@ def test_bad_input_is_one_line_exit_2():
     (RescueOptions(rescue=True), RunOptions(policy="rkv"), "--base-policy"),
     (RescueOptions(rescue=True, nb=-1), RunOptions(), "--nb and --nh"),
     (RescueOptions(rescue=True, abort_gzip=float("nan")), RunOptions(), "--abort-gzip"),
+    (RescueOptions(rescue=True, abort_copies=1), RunOptions(), "--abort-copies"),
+    (RescueOptions(rescue=True, abort_repeat=-5), RunOptions(), "--abort-repeat"),
     (RescueOptions(rescue=True, preset="nope"), RunOptions(), "rescue_nope.toml"),
     (RescueOptions(rescue=True, base_policy="rkv"), RunOptions(backend="llamacpp"), "--base-policy: --policy rkv needs"),
     (RescueOptions(rescue=True), RunOptions(knobs={"budget": 8}), "--base-policy: rkv: --budget 8"),
@@ -132,7 +134,10 @@ def test_plan_defaults_and_backend_choice():
     c = plan.config
     assert (c.nb, c.nh, c.step_tokens, c.max_steps, c.max_context) == (2, 2, 512, 1024, 4096)
     assert (c.detector.max_entropy, c.detector.entropy_window, c.detector.entropy_guard,
-            c.detector.min_gzip_ratio, c.detector.gzip_window) == (7.0, 12, 24, 0.18, 800)
+            c.detector.min_gzip_ratio, c.detector.gzip_window, c.detector.repeat_chars,
+            c.detector.max_copies) == (7.0, 12, 24, 0.18, 800, 256, 64)
+    off = plan_rescue(RescueOptions(rescue=True, abort_repeat=0, abort_copies=0), RunOptions()).config.detector
+    assert (off.repeat_chars, off.max_copies) == (0, 0)
     assert plan.base_opts.policy == "rkv" and plan.helper_opts.policy == "full" and plan.prm is None
     assert c.early_exit is True   # the detector is on unless --no-detector
     llama = plan_rescue(RescueOptions(rescue=True, nh=0), RunOptions(backend="llamacpp"))

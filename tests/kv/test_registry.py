@@ -20,14 +20,14 @@ from conftest import ROOT
 from zoomr.backends.llamacpp.policies import CELL_POLICIES, make_policy
 from zoomr.cli.options import knob_options, model_options
 from zoomr.errors import UserError
-from zoomr.evaluation.bench_plan import knob_scope, plan_cells, validate_cells
+from zoomr.evaluation.bench_plan import plan_cells, validate_cells
 from zoomr.factory import check_policy, policy_spec, torch_cache_factory
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.knobs import PolicyConfig, budget_knob, knob, window_knob
 from zoomr.kvstore.policy import ForwardInfo, KVPolicy
 from zoomr.kvstore.registry import (REFERENCE, REGISTRY, PolicyInfo, PolicySpec, budgeted, check_backend, evicting,
                                     knob_flags, policy_names, policy_table_markdown, register)
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, knob_scope
 from zoomr.rescue.plan import RescueOptions, plan_rescue
 
 
@@ -146,8 +146,8 @@ def test_an_eighth_policy_reaches_the_cli_options(stride):
     r = runner.invoke(app, ["--policy", "stride", "--stride", "3", "--budget", "16", "--sink", "4"])
     assert r.exit_code == 0, r.output
     opts = seen["opts"]
-    # --sink 4 is streaming's default, so not a knob given
-    assert opts.policy == "stride" and opts.knobs == {"stride": 3, "budget": 16}
+    # typed, so given, though 4 is streaming's default (solve would refuse it for stride: not its knob)
+    assert opts.policy == "stride" and opts.knobs == {"stride": 3, "budget": 16, "sink": 4}
 
 
 def test_an_eighth_policy_is_built_by_the_factory_and_runs(stride):

@@ -7,11 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zoomr.evaluation.datasets import records
 from zoomr.rescue.degeneration import (
     DegenerationDetector,
     DetectorConfig,
     entropy_nats,
     gzip_ratio,
+    mask_digits,
+    periodic_tail,
     shortest_gzip_abort,
 )
 
@@ -100,7 +103,8 @@ def test_normal_reasoning_with_real_model_logits_is_not_aborted(torch_backend):
 
 @pytest.mark.parametrize("kw,needle", [({"entropy_window": 0}, "--entropy-window"), ({"gzip_window": 0}, "--gzip-window"),
                                        ({"max_entropy": float("nan")}, "--abort-entropy"),
-                                       ({"min_gzip_ratio": -1.0}, "--abort-gzip"), ({"entropy_guard": -1}, "--entropy-guard")])
+                                       ({"min_gzip_ratio": -1.0}, "--abort-gzip"), ({"entropy_guard": -1}, "--entropy-guard"),
+                                       ({"repeat_chars": -1}, "--abort-repeat"), ({"max_copies": 1}, "--abort-copies")])
 def test_bad_thresholds_are_one_line_value_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):
         DetectorConfig(**kw).validate()
@@ -184,13 +188,14 @@ def _abort_at(config: DetectorConfig, chunks: list[str], entropy: float = 0.0):
 
 
 _chunk_sizes = st.lists(st.integers(1, 6), min_size=1, max_size=5)
+GZIP_ONLY = {"repeat_chars": 0, "max_copies": 0}  # the gzip signal's own properties
 _PROPS = settings(max_examples=40, deadline=None, derandomize=True)
 
 
 @_PROPS
 @given(_texts, _chunk_sizes)
 def test_property_no_gzip_abort_below_the_shortest_abortable_window(text, sizes):
-    c = DetectorConfig()
+    c = DetectorConfig(**GZIP_ONLY)
     short = text[:shortest_gzip_abort(c) - 1]
     assert _abort_at(c, _chunks(short, sizes)) == (None, None)
 
@@ -198,7 +203,7 @@ def test_property_no_gzip_abort_below_the_shortest_abortable_window(text, sizes)
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.text(min_size=1, max_size=3).map(lambda u: u * 200))
 def test_property_no_gzip_abort_below_the_bound_for_any_utf8(text):
-    c = DetectorConfig()
+    c = DetectorConfig(**GZIP_ONLY)
     short = text[:shortest_gzip_abort(c, bytes_per_char=4) - 1]
     assert _abort_at(c, list(short)) == (None, None)
 
@@ -208,8 +213,8 @@ def test_property_no_gzip_abort_below_the_bound_for_any_utf8(text):
 def test_property_a_higher_gzip_threshold_never_aborts_later(text, sizes, t1, t2):
     lo, hi = sorted((t1, t2))
     chunks = _chunks(text, sizes)
-    at_lo, _ = _abort_at(DetectorConfig(min_gzip_ratio=lo), chunks)
-    at_hi, _ = _abort_at(DetectorConfig(min_gzip_ratio=hi), chunks)
+    at_lo, _ = _abort_at(DetectorConfig(min_gzip_ratio=lo, **GZIP_ONLY), chunks)
+    at_hi, _ = _abort_at(DetectorConfig(min_gzip_ratio=hi, **GZIP_ONLY), chunks)
     assert at_lo is None or (at_hi is not None and at_hi <= at_lo)
 
 
@@ -218,7 +223,7 @@ def test_property_a_higher_gzip_threshold_never_aborts_later(text, sizes, t1, t2
 def test_property_a_full_window_is_judged_by_the_papers_threshold_a_shorter_one_more_leniently(text, sizes):
     """The threshold never exceeds τ_cmp and equals it from a full window on: every abort is one the constant
     τ_cmp would have made by then, and a full window under τ_cmp is always aborted."""
-    c = DetectorConfig()
+    c = DetectorConfig(**GZIP_ONLY)
     det, seen = DegenerationDetector(c), 0
     for chunk in _chunks(text, sizes):
         s = det.observe(chunk, 0.0)
@@ -249,3 +254,86 @@ def test_property_the_verdict_sticks_and_entropy_is_monotone(text, sizes, entrop
             if d.observe(c, entropies[i % len(entropies)]).abort and name not in at:
                 at[name] = i
     assert "high" not in at or at.get("low", 1 << 30) <= at["high"]
+
+
+# ---- the periodic-tail ("cycle") test: what an 800-character window cannot see ------------------------------
+
+SENTENCES = ("First we compute the total number of apples in both baskets, which is the sum of the two counts. "
+             "Then we subtract the apples that were eaten on the way home from the market by the children. "
+             "Next the remaining apples are shared equally among the four friends who came to the party. "
+             "Each friend therefore receives the same number of apples, and nothing is left over at the end. "
+             "We should double-check this result by multiplying back, since mistakes are easy to make here. ")
+
+
+def test_a_cycle_too_long_for_the_gzip_window_is_caught_by_its_repeat():
+    assert len(SENTENCES) > 400  # two copies do not fit in 800 characters: gzip alone never sees the loop
+    loop = SENTENCES * 6
+    chunks = _chunks(loop, [4, 5, 3])
+    assert _abort_at(DetectorConfig(**GZIP_ONLY), chunks) == (None, None)
+    at, reason = _abort_at(DetectorConfig(), chunks)
+    assert reason == "cycle"
+    # caught at the first chunk once 256 characters of the second copy are out and the window is full
+    first = max(len(SENTENCES) + 256, DetectorConfig().gzip_window)
+    assert first <= len("".join(chunks[:at + 1])) < first + 6
+    det = DegenerationDetector()
+    for c in chunks[:at + 1]:
+        s = det.observe(c, 0.0)
+    assert s.period == len(SENTENCES) and s.repeat_chars >= 256
+
+
+def test_a_count_is_caught_after_64_lines_and_a_60_term_sum_is_kept():
+    count = "".join(f"x = {n}, " for n in range(7, 400))  # every copy differs: gzip keeps it
+    at, reason = _abort_at(DetectorConfig(), _chunks(count, [1, 2, 3]))
+    assert reason == "cycle"
+    assert _abort_at(DetectorConfig(**GZIP_ONLY), _chunks(count, [1, 2, 3])) == (None, None)
+    assert mask_digits(count, "")[:16] == "x = 0, x = 0, x "
+    det = DegenerationDetector()
+    for c in _chunks(count, [1, 2, 3])[:at + 1]:
+        s = det.observe(c, 0.0)
+    assert s.copies == 64 and s.period == 0  # as written it never repeats: the masked text does
+    for kept in (ONES, "=" * 120 + "\n", "$$" + " + ".join(["x"] * 60) + " = 60x$$"):
+        assert _abort_at(DetectorConfig(), list(kept)) == (None, None), kept
+    sixty_four = "$$S = " + " + ".join(["1"] * 65) + " = 65$$"
+    assert _abort_at(DetectorConfig(), list(sixty_four))[1] == "cycle"
+    # off means off
+    assert _abort_at(DetectorConfig(max_copies=0), _chunks(count, [1, 2, 3])) == (None, None)
+
+
+def test_digit_runs_split_across_tokens_mask_as_one():
+    assert mask_digits("05, ", "x = 1") == ", "  # "1" then "05": one run, masked when "1" arrived
+    assert mask_digits("12 and 7", "") == "0 and 0" and mask_digits("a1", "9") == "a0"
+    assert periodic_tail("ab" * 40) == (78, 2) and periodic_tail("ab" * 20) == (0, 0)  # ≤ 64 characters
+    assert periodic_tail("q" + "ab" * 40) == (78, 2)
+
+
+# Real solutions that substitute one expression again and again (MATH500 #454, #351; GSM8K #601): the
+# longest repeats of all 7097 steps. As written they repeat at most 151 characters one period apart, with
+# digits masked up to 226: the repeat rule reads the text as written, with room below its 256.
+SUBSTITUTING = [("math500", "solution", 454), ("math500", "solution", 351), ("gsm8k", "answer", 601)]
+
+
+def _longest_repeat(text: str) -> int:
+    return max((periodic_tail(text[:n])[0] for n in range(65, len(text) + 1)), default=0)
+
+
+@pytest.mark.parametrize("name,key,index", SUBSTITUTING, ids=[f"{n}_{i}" for n, _, i in SUBSTITUTING])
+def test_long_derivations_that_repeat_an_expression_are_kept(name, key, index):
+    solution = records(name)[index][key]
+    assert 128 < _longest_repeat(mask_digits(solution, "")) < 256  # what masking the digits would have risked
+    assert _longest_repeat(solution) <= 160
+    for step in (p for p in solution.split("\n\n") if p.strip()):
+        assert _abort_at(DetectorConfig(), _chunks(step, [3, 4, 5])) == (None, None)
+
+
+@_PROPS
+@given(st.text(st.sampled_from("abcdefgh +=|\n"), min_size=2, max_size=12).filter(lambda u: len(set(u)) > 1),
+       st.integers(64, 90), _chunk_sizes)
+def test_property_a_unit_repeated_64_times_is_aborted(unit, k, sizes):
+    at, reason = _abort_at(DetectorConfig(), _chunks(unit * k, sizes))
+    assert reason in ("repetition", "cycle")
+
+
+@_PROPS
+@given(_noise, _chunk_sizes)
+def test_property_text_that_does_not_repeat_is_never_a_cycle(text, sizes):
+    assert _abort_at(DetectorConfig(), _chunks(text, sizes))[1] != "cycle"

@@ -222,6 +222,13 @@ def test_live_view_shows_an_abort_with_its_reason_and_values():
     view(CandidateAborted(0, 0, "base", "entropy", 24, {"mean_entropy": 9.87, "min_gzip_ratio": 0.6}, "#@!"))
     view.console.print(view)
     assert "✗ entropy 9.87 > 7.0 nats" in view.console.export_text()
+    view(CandidateStarted(0, 1, "base"))
+    view(CandidateAborted(0, 1, "base", "cycle", 300, {"repeat_chars": 260, "period": 470, "copies": 0}, "So"))
+    view(CandidateStarted(0, 2, "base"))
+    view(CandidateAborted(0, 2, "base", "cycle", 200, {"repeat_chars": 0, "period": 0, "copies": 64}, "1, 2"))
+    view.console.print(view)
+    text = view.console.export_text()
+    assert "cycle: 260 characters repeat every 470" in text and "cycle: 64 copies of one unit" in text
 
 
 def test_trajectory_kv_is_a_per_token_time_average(torch_backend):

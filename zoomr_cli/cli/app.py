@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import sys
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 import typer.main
 
-from zoomr.cli.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, fail
+from zoomr.cli.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, debug_enabled, fail
 from zoomr.cli.help import plain_metavars
 from zoomr.errors import UserError
 
@@ -31,6 +32,59 @@ def _click_classes(name: str) -> tuple[type, ...]:
 
 _ABORT = _click_classes("Abort")
 _CLICK_ERROR = _click_classes("ClickException")
+_USAGE_ERROR = _click_classes("UsageError")
+_NO_ARGS_HELP = _click_classes("NoArgsIsHelpError")
+_NO_SUCH_OPTION = _click_classes("NoSuchOption")
+_BAD_PARAMETER = _click_classes("BadParameter")
+_MISSING = _click_classes("MissingParameter")
+
+
+def _or_list(names: list[str]) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _given_value(opts: list[str], argv: list[str]) -> str | None:
+    """The last value ``argv`` gives to an option named ``opts`` (``-n abc``, ``--n-predict=abc``), if any."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg in opts and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--") and arg.split("=", 1)[0] in opts and "=" in arg:
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def usage_line(e, argv: list[str]) -> str:
+    """Click's usage error ``e`` as the text of one ``zoomr: error:`` line (click prints a usage block and
+    ``Error: ...`` over several lines): the command, what was wrong, the flag and value it concerns, close
+    matches where there are some.
+
+    Args:
+        e: a click ``UsageError`` (typer's vendored click or click itself); argv: the arguments given.
+    """
+    ctx = getattr(e, "ctx", None)
+    # the subcommand, when there is one: "solve: ..." (the line already starts with "zoomr: error:")
+    path = ctx.command_path.split(" ", 1) if ctx is not None else []
+    where = f"{path[1]}: " if len(path) == 2 else ""
+    if isinstance(e, _NO_SUCH_OPTION):
+        near = sorted(e.possibilities or [])
+        return f"{where}no such option {e.option_name}" + (f"; did you mean {_or_list(near)}?" if near else "")
+    group = getattr(ctx, "command", None) if ctx is not None else None
+    commands = sorted(getattr(group, "commands", None) or {})
+    if commands and e.message.startswith("No such command"):
+        name = next((a for a in argv if not a.startswith("-")), "")
+        near = difflib.get_close_matches(name, commands)
+        return (f"no such command {name!r}" + (f"; did you mean {_or_list(near)}?" if near else "")
+                + f" (commands: {', '.join(commands)})")
+    param = getattr(e, "param", None)
+    if isinstance(e, _BAD_PARAMETER) and not isinstance(e, _MISSING) and param is not None and param.opts:
+        flags = "/".join(param.opts)
+        value = _given_value(param.opts, argv)
+        msg = e.message[:1].lower() + e.message[1:]
+        return f"{where}{flags}" + (f" {value!r}" if value is not None else "") + f": {msg}"
+    msg = e.format_message().rstrip(".")
+    return where + msg[:1].lower() + msg[1:]
 
 app = typer.Typer(
     name="zoomr",
@@ -81,6 +135,8 @@ def _interruptible(command):
 
 
 def _register() -> None:
+    if app.registered_commands:  # main() may run more than once in one process (tests)
+        return
     from zoomr.cli.bench import bench_command
     from zoomr.cli.chat import chat_command
     from zoomr.cli.solve import solve_command
@@ -96,13 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     Exit codes: 0 ok, 1 runtime failure, 2 bad input (usage, files, model, values), 130 Ctrl-C.
     """
     _register()
+    args = sys.argv[1:] if argv is None else argv
     try:
         command = typer.main.get_command(app)
         plain_metavars(command)
-        rv = command(args=argv, prog_name="zoomr", standalone_mode=False)
+        rv = command(args=args, prog_name="zoomr", standalone_mode=False)
     except _ABORT:
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _NO_ARGS_HELP as e:  # bare ``zoomr``: the help, as before
+        e.show()
+        return e.exit_code
+    except _USAGE_ERROR as e:
+        if debug_enabled():
+            e.show()  # click's usage block and message, above the one line
+        return fail(UserError(usage_line(e, args)), EXIT_BAD_INPUT)
     except _CLICK_ERROR as e:
         e.show()
         return e.exit_code

@@ -27,17 +27,16 @@ from zoomr.evaluation.plots import write_plots
 from zoomr.evaluation.provenance import run_provenance
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
-from zoomr.evaluation.bench_plan import MATCHED, knob_scope, not_read, plan_cells, validate_cells
-from zoomr.evaluation.cells import run_cell, teacher_forced_fidelity
+from zoomr.evaluation.bench_plan import MATCHED, plan_cells, validate_cells
+from zoomr.evaluation.cells import problem_prompt, run_cell, teacher_forced_fidelity
 from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
 from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, knob_scope, not_read
 from zoomr.cli.options import model_options
-from zoomr.cli.render import Output
+from zoomr.cli.render import Output, count
 from zoomr.rescue.plan import RescueOptions
 from zoomr.cli.rescue_options import rescue_options
-from zoomr.prompts import solve_prompt
 
 def _cell(r: dict, key, fmt: str) -> str:
     value = key(r) if callable(key) else r.get(key)
@@ -184,11 +183,17 @@ def bench(
             with ui.status("loading helper and scorer…"):
                 rescue_cells = RescueCells(base, opts, rescue_plan)
         _check_provenance(config, run_provenance(base.source.path))
+        # every prompt left to run fits -c (and is valid text), for each model that prefills it
+        tokenizers = [base.tokenizer] + ([rescue_cells.helper.tokenizer] if rescue_cells is not None else [])
+        prompts = {p.id: [problem_prompt(t, p, opts.ctx_size) for t in tokenizers][0] for p in problems
+                   if any(record_key(p.id, c, b) not in log.done for c, b in cells)}
         # only now, with every model loaded, does the folder take this run's settings
         write_config(out / "config.json", config)
-        ui.info(f"{base.describe()} · {name}: {len(problems)} problems · {out}")
+        # the loaded backend runs full KV (the reference); every cell swaps in its own policy
+        runs = "policies " + ", ".join(chosen) + (f" + KV-Rescue (base {rescue_base})" if rescue_base else "")
+        ui.info(f"{base.describe_model()} · {runs} · {name}: {count(len(problems), 'problem')} · {out}")
     else:  # a finished bench: the table and files come from the records alone, no model is loaded
-        ui.info(f"{name}: every cell of {len(problems)} problems is already in {out}")
+        ui.info(f"{name}: every cell of {count(len(problems), 'problem')} is already in {out}")
     total = len(problems) * len(cells)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     task = progress.add_task("bench", total=total)
@@ -203,7 +208,7 @@ def bench(
                 progress.advance(task, len(cells))
                 continue
             progress.advance(task, len(cells) - len(pending))
-            ids = solve_prompt(base.tokenizer, problem.question)
+            ids = prompts[problem.id]
             reference = None
             if fidelity and any(p not in ("full", RESCUE, BEST_OF_N) for p, _ in pending):
                 # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
@@ -350,7 +355,8 @@ def _plain(rec: dict) -> str:
     fid = "" if rec.get("fidelity_top1") is None else f" top1={rec['fidelity_top1']:.3f} kl={rec['fidelity_kl']:.3f}"
     if "helper_share" in rec:
         fid += f" steps={rec['steps']} helper={rec['helper_share']:.2f} base_tokens={rec['base_tokens']}"
-    return (f"{rec['problem_id']} {rec['policy']} B={rec['budget']} correct={rec['correct']} "
+    budget = "-" if rec["budget"] is None else rec["budget"]  # full, sumr, zoomr size themselves
+    return (f"{rec['problem_id']} {rec['policy']} B={budget} correct={rec['correct']} "
             f"tokens={rec['tokens_generated']} activeKV={rec['mean_active_tokens']:.0f}{_match_note(rec)}{fid}")
 
 

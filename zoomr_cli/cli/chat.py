@@ -19,7 +19,7 @@ from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
 from zoomr.factory import build_backend
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, check_knobs_read
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, stats_line
 
@@ -144,28 +144,32 @@ def chat(
     opts: RunOptions,
 ) -> int:
     """Chat interactively; the conversation stays in the KV cache. /help, /stats, /reset, /exit; Ctrl-C stops an answer."""
+    check_knobs_read(opts)
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())
     editing = line_editing()
+    # piped in (llama.cpp's way): no prompt, and stdout holds the answers alone; /stats and notes go to stderr
+    interactive = sys.stdin.isatty()
     out.info(HELP)
     session = ChatSession(backend, sampler, opts.n_predict, system)
     while True:
         try:
-            if not _handle(input("> ").strip(), session, out, editing):
+            if not _handle(input("> " if interactive else "").strip(), session, out, editing, interactive):
                 return 0
         except EOFError:
-            out.token("\n")
+            if interactive:
+                out.token("\n")  # ends the prompt's line
             return 0
         except KeyboardInterrupt:  # at the prompt, or between an answer's end and the next prompt
             out.token("\n")
             out.info("(Ctrl-D or /exit to quit)")
 
 
-def _handle(line: str, session: ChatSession, out: Output, editing: bool) -> bool:
-    """Run one REPL line; False means exit."""
+def _handle(line: str, session: ChatSession, out: Output, editing: bool, interactive: bool = True) -> bool:
+    """Run one REPL line; False means exit. Not ``interactive`` (stdin piped): /stats goes to stderr."""
     if not line:
         return True
     if line in ("/exit", "/quit"):
@@ -173,7 +177,10 @@ def _handle(line: str, session: ChatSession, out: Output, editing: bool) -> bool
     if line == "/help":
         out.info(help_text(editing))
     elif line == "/stats":
-        out.result("stats", session.stats(), style="dim")
+        if interactive:
+            out.result("stats", session.stats(), style="dim")
+        else:
+            out.info(f"stats: {session.stats()}")
     elif line == "/reset":
         session.reset()
         out.info("conversation reset")

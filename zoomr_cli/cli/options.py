@@ -77,7 +77,7 @@ def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = 
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
 
     The policy knobs are generated from the policy registry (:func:`knob_options`); ``opts.knobs`` holds
-    those given.
+    those given on the command line (a default never counts as given).
 
     Args:
         exclude: option names the command declares its own way (e.g. bench's repeatable ``--budget``);
@@ -100,14 +100,15 @@ def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = 
         raise TypeError(f"policy knob {clash[0]!r} has the name of a run option; rename the knob")
     knob_defaults = {name: k.default for name, k in knob_flags().items() if name in knobs}
 
-    def build(values: dict) -> RunOptions:
+    def build(values: dict, typed: set[str]) -> RunOptions:
         given = values.get("n_gpu_layers") is not None
         if not given:
             values["n_gpu_layers"] = base["n_gpu_layers"]
-        # a knob at its readers' common default is each reader's default anyway: not given
+        # only knobs typed on the command line are given (a default is each reader's own anyway); one typed at
+        # its default value still counts, so that a command can refuse it for a policy without that knob
         knob_values = {k: values.pop(k) for k in knobs}
         opts = RunOptions(**values, **{name: base[name] for name in exclude if name in base},
-                          knobs={k: v for k, v in knob_values.items() if v is not None and v != knob_defaults[k]})
+                          knobs={k: v for k, v in knob_values.items() if v is not None and k in typed})
         note = gpu_layers_note(opts, given)
         if note:
             print(f"zoomr: {note}", file=sys.stderr)
@@ -141,11 +142,16 @@ def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
     return None
 
 
+_CONTEXT = "zoomr_click_context"  # the click context Typer hands a command that asks for one
+
+
 def grouped_options(fn, param: str, decls: dict, defaults: dict, build):
     """Replace ``fn``'s parameter ``param`` by one Typer option per entry of ``decls``.
 
     The returned command takes the options as keyword arguments, rebuilds the group with
-    ``build({name: value})`` and calls ``fn(param=group, ...)``; ``fn``'s other parameters are kept.
+    ``build({name: value}, typed)`` and calls ``fn(param=group, ...)``; ``fn``'s other parameters are kept.
+    ``typed`` is the set of names whose value came from the command line (click's parameter source), not
+    from the default.
 
     Args:
         decls: ``{name: (type, typer.Option(...))}``; defaults: ``{name: default}`` for each of them.
@@ -155,10 +161,16 @@ def grouped_options(fn, param: str, decls: dict, defaults: dict, build):
     own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != param]
     extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
                                annotation=Annotated[typ, opt]) for name, (typ, opt) in decls.items()]
+    # stacked groups share one context parameter: the outermost adds it, the innermost takes it away
+    passes_context = _CONTEXT in sig.parameters
+    if not passes_context:
+        extra.append(inspect.Parameter(_CONTEXT, inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context))
 
     @functools.wraps(fn)
     def command(**kwargs):
-        group = build({name: kwargs.pop(name) for name in decls})
+        ctx = kwargs[_CONTEXT] if passes_context else kwargs.pop(_CONTEXT)
+        typed = {name for name in decls if _typed(ctx, name)}
+        group = build({name: kwargs.pop(name) for name in decls}, typed)
         return fn(**{param: group}, **kwargs)
 
     params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
@@ -166,3 +178,10 @@ def grouped_options(fn, param: str, decls: dict, defaults: dict, build):
     command.__annotations__ = {p.name: p.annotation for p in params}
     del command.__wrapped__  # Typer must read the new signature, not fn's
     return command
+
+
+def _typed(ctx, name: str) -> bool:
+    """The value of parameter ``name`` came from the command line (or its environment variable)."""
+    source = ctx.get_parameter_source(name)
+    # by name: the enum is click's own or the copy Typer vendors, depending on Typer's version
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")

@@ -15,6 +15,11 @@ def mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.2f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 1024:.1f} KiB"
 
 
+def count(n: int, noun: str) -> str:
+    """``1 problem``, ``3 problems``: ``n`` and ``noun`` in the number ``n`` asks for (nouns taking -s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def stats_line(gen: GenerationStats, kv: KVStats) -> str:
     """One line: prefill and decode throughput, KV tokens and bytes (active / full)."""
     return (f"prefill {gen.prompt_tokens} tok @ {gen.prefill_tok_s:.1f} tok/s · "

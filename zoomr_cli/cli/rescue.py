@@ -13,7 +13,8 @@ import signal
 from zoomr.backends.sampling import Sampler
 
 from zoomr.factory import build_backend
-from zoomr.prompts import solve_prompt, system_with_summaries
+from zoomr.prompts import system_with_summaries
+from zoomr.solving import fit_prompt
 from zoomr.options import RunOptions
 from zoomr.cli.inputs import write_json
 from zoomr.cli.render import Output, mib
@@ -85,15 +86,17 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     sampler = Sampler(opts.sampling(default_temp=0.8))
     for note in plan.notes:
         out.info(note)
-    with out.status("loading scorer…"):
-        scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
     with out.status("loading base model…"):
         base = for_flag("base", build_backend, plan.base_opts)
+    # the check plain solve makes (zoomr.solving.fit_prompt), before the helper and scorer load
+    max_context = plan.config.max_context
+    base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
+    base_ids = fit_prompt(base.tokenizer, problem, base_system, max_context)
+    with out.status("loading scorer…"):
+        scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
     with out.status("loading helper model…"):
         helper = for_flag("--helper", build_helper, base, plan.helper_opts)
-    base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
-    base_ids = solve_prompt(base.tokenizer, problem, base_system)
-    helper_ids = solve_prompt(helper.tokenizer, problem, system)
+    helper_ids = fit_prompt(helper.tokenizer, problem, system, max_context)
 
     view = LiveView(out.out) if out.live else PlainView(out)
     ctrl_c = CtrlC()

@@ -40,6 +40,10 @@ _DECLS = {
     "abort_gzip": (Optional[float], _opt("--abort-gzip", help="Abort when the gzip ratio falls below this "
                                          "(default 0.18).")),
     "gzip_window": (Optional[int], _opt("--gzip-window", help="Characters in the gzip window (default 800).")),
+    "abort_repeat": (Optional[int], _opt("--abort-repeat", help="Abort when, with the gzip window full, this many "
+                                         "characters repeat the text one period earlier (default 256; 0: off).")),
+    "abort_copies": (Optional[int], _opt("--abort-copies", help="Abort when the text ends in this many copies of "
+                                         "one unit, digits read alike (a count; default 64; 0: off).")),
     "detector": (Optional[bool], _opt("--detector/--no-detector", help="Abort degenerate base candidates early "
                                       "(default on; --no-detector keeps every candidate, signals still shown).")),
     "preset": (Optional[str], _opt("--preset", help="Rescue preset from configs/rescue_NAME.toml, e.g. paper.")),
@@ -52,7 +56,8 @@ def rescue_options(fn):
     Stack it under :func:`zoomr.cli.options.model_options` (which supplies ``opts``).
     """
     defaults = {name: getattr(RescueOptions(), name) for name in _DECLS}
-    return grouped_options(fn, "rescue", _DECLS, defaults, lambda values: needs_rescue(RescueOptions(**values)))
+    return grouped_options(fn, "rescue", _DECLS, defaults,
+                           lambda values, typed: needs_rescue(RescueOptions(**values)))
 
 
 def needs_rescue(ropts: RescueOptions) -> RescueOptions:

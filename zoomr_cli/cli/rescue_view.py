@@ -44,6 +44,10 @@ def abort_reason(ev: CandidateAborted, detector: dict) -> str:
     s = ev.signals
     if ev.reason == "entropy":
         return f"entropy {s['mean_entropy']:.2f} > {detector.get('max_entropy', '?')} nats"
+    if ev.reason == "cycle":
+        if s.get("copies", 0) >= detector.get("max_copies", 64) > 0:
+            return f"cycle: {s['copies']} copies of one unit (digits read alike)"
+        return f"cycle: {s.get('repeat_chars', '?')} characters repeat every {s.get('period', '?')}"
     return f"repetition: gzip {s['min_gzip_ratio']:.3f} < {detector.get('min_gzip_ratio', '?')}"
 
 

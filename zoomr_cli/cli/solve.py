@@ -10,7 +10,7 @@ from zoomr import solving
 from zoomr.errors import UserError, check_text
 from zoomr.factory import build_backend
 from zoomr.kvstore.events import kv_events
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, check_knobs_read
 from zoomr.prompts import system_with_summaries
 from zoomr.rescue.plan import RescueOptions
 
@@ -51,6 +51,7 @@ def solve(
     out = Output(live=not no_live, stdout_free=json_path == "-")
     if rescue.rescue:  # KV-Rescue lives in zoomr.cli.rescue; plain solve continues below
         return run_rescue(problem, system, json_path, out, opts, rescue)
+    check_knobs_read(opts)
     sampling = opts.sampling(default_temp=0.0)
 
     with out.status("loading model…"):

@@ -2,7 +2,7 @@
 
 A cell is (policy, budget): budget None for a policy that sizes itself (full, SumR, ZoomR), a number of
 tokens for a budgeted one, :data:`MATCHED` for a baseline whose budget follows ZoomR's measured KV. Every
-knob given applies to the policies whose config has it, and only to those.
+knob given applies to the policies whose config has it, and only to those (:func:`zoomr.options.knob_scope`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from zoomr.errors import UserError
 from zoomr.factory import torch_cache_factory
-from zoomr.kvstore.registry import REFERENCE, REGISTRY, knob_flags, policy_info
+from zoomr.kvstore.registry import REFERENCE, REGISTRY, policy_info
 from zoomr.options import RunOptions
 
 from zoomr.evaluation.records import MATCHED  # the record format owns the value
@@ -56,29 +56,3 @@ def validate_cells(cells: list[tuple[str, object]], opts: RunOptions, rescue_bas
         except ValueError as e:
             label = name + ("" if budget is None else f" B={budget}")
             raise UserError(f"cell {label}: {e}") from None
-
-
-def knob_scope(policies: list[str], opts: RunOptions) -> list[str]:
-    """Which of ``policies`` each knob given applies to, as lines to show the user.
-
-    A knob none of them has is an error; one that only some have is applied to those alone (the others have
-    no such knob) and said so.
-
-    Raises:
-        UserError: a knob given that none of ``policies`` reads.
-    """
-    flags = knob_flags()
-    lines = []
-    for name, value in opts.knobs.items():
-        knob = flags[name]
-        applies = [p for p in policies if p in knob.readers]
-        if not applies:
-            raise UserError(not_read(knob.flag, knob.readers))
-        if len(applies) < len(policies):
-            lines.append(f"{knob.flag} {value} applies to {', '.join(applies)} only")
-    return lines
-
-
-def not_read(flag: str, readers: tuple[str, ...]) -> str:
-    """The refusal of a knob none of ``--policies`` reads."""
-    return f"{flag} is read by {', '.join(readers)} only, and none of --policies is one of them"

@@ -14,7 +14,9 @@ from zoomr.backends.sampling import Sampler, SamplingParams
 
 from zoomr.evaluation.metrics import FidelityMeter
 from zoomr.evaluation.datasets import Problem
+from zoomr.errors import UserError
 from zoomr.grading import extract, grade
+from zoomr.solving import fit_prompt
 
 
 @dataclass
@@ -34,6 +36,20 @@ class Reference:
 KV_FIELDS = ("mean_active_tokens", "peak_active_tokens", "bound_tokens", "bound_measured", "mean_active_bytes",
              "peak_active_bytes", "full_tokens", "full_bytes", "mean_full_bytes", "saving", "saving_peak",
              "device_kv_bytes", "host_kv_bytes", "kv_device")
+
+
+def problem_prompt(tokenizer, problem: Problem, n_ctx: int) -> list[int]:
+    """The solve prompt's token ids of a data-set problem, checked as ``zoomr solve`` checks its own
+    (:func:`zoomr.solving.fit_prompt`: valid Unicode, room for a generated token in ``n_ctx`` tokens).
+
+    Raises:
+        UserError: one line naming the problem, e.g. ``problem gsm8k/3: the prompt has 115 tokens, more than
+            -c 64 allows``.
+    """
+    try:
+        return fit_prompt(tokenizer, problem.question, None, n_ctx)
+    except UserError as e:
+        raise UserError(f"problem {problem.id}: {e}") from None
 
 
 def kv_fields(kv: KVStats) -> dict:

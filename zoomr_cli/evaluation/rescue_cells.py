@@ -52,6 +52,7 @@ from pathlib import Path
 from zoomr.backends.sampling import Sampler
 
 from zoomr.evaluation.metrics import recovered_fraction
+from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem
 from zoomr.factory import with_policy
 from zoomr.grading import grade
@@ -61,7 +62,6 @@ from zoomr.rescue.runner import build_helper, rescue_once
 from zoomr.rescue.plan import RescueOptions, RescuePlan, for_flag, plan_rescue
 from zoomr.rescue.transcript import Transcript
 from zoomr.rescue.scorers import build_scorer
-from zoomr.prompts import solve_prompt
 
 RESCUE, BEST_OF_N = "rescue", "best-of-n"
 
@@ -137,7 +137,7 @@ class RescueCells:
             KeyboardInterrupt: Ctrl-C during the cell (nothing of it is recorded).
         """
         base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy).with_knobs(budget=budget))
-        helper_ids = solve_prompt(self.helper.tokenizer, problem.question)
+        helper_ids = problem_prompt(self.helper.tokenizer, problem, self.opts.ctx_size)
         cap = max(len(base_ids), len(helper_ids)) + n_predict if n_predict > 0 else self.opts.ctx_size
         config = self.config(policy, min(cap, self.opts.ctx_size))
         self.scorer.reset_kv_peak()

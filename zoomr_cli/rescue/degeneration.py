@@ -24,12 +24,33 @@ signal. Waiting for a full window instead would never catch a loop of one-charac
 (``benchmarks/detector_calibration.py``): no abort of any GSM8K/MATH500 solution step (7097) nor of
 the short repetitive legitimate steps built there (the constant threshold aborted some), and every
 loop the constant threshold caught is still caught within the step limit, some tokens later.
+
+An 800-character window cannot see two copies of a cycle longer than 400 characters, nor a count
+(``1, 2, 3, …``, ``x = 14, x = 15, …``: every copy differs in its number). A third test, zoomr's own
+(not in the paper), reads the *periodic tail* of the candidate's text: the longest suffix that equals
+the text one period earlier (:func:`periodic_tail`). A ``"cycle"`` abort comes when
+
+* the candidate holds at least ``w_cmp`` characters and its last ``repeat_chars`` = 256 characters
+  or more each equal the character one period earlier: a verbatim copy of earlier text (a cycle of
+  any period that fits the step); or
+* with every run of digits read as one ``0`` (so ``x = 14,`` and ``x = 157,`` read alike), the text
+  ends in at least ``max_copies`` = 64 back-to-back copies of a unit of two characters or more (a count).
+  ``1 + 1 + ⋯ + 1`` with 60 terms is kept, 64 terms are not; a rule of 80 ``=`` signs has a
+  one-character unit and is never counted.
+
+Digits are masked for the count only: a derivation that substitutes one expression again and again
+repeats itself more once its numbers are masked (up to 226 characters in the shipped MATH500/GSM8K
+solutions, 151 as written), so the repeat rule reads the text as written. Calibration: none of the
+7097 real steps nor of the short repetitive ones is aborted. What is left uncaught: counts of fewer
+than 64 lines within one step (``a_{41} = 41``, 40 lines of ``n * 2 = 2n``): by then they read
+exactly like a legitimate 30-line list of equations, so the step limit ends them instead.
 """
 
 from __future__ import annotations
 
 import gzip
 import math
+import re
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,6 +67,8 @@ class DetectorConfig:
         entropy_guard: tokens generated before the entropy test applies (tokens).
         min_gzip_ratio: τ_cmp, abort when the gzip ratio of the window falls below it (compressed/raw bytes).
         gzip_window: characters in the compression window (characters).
+        repeat_chars: periodic tail that aborts once the text fills the gzip window (characters; 0: off).
+        max_copies: back-to-back copies of one unit of ≥ 2 characters (digits masked) that abort (0: off).
     """
 
     max_entropy: float = 7.0
@@ -53,6 +76,8 @@ class DetectorConfig:
     entropy_guard: int = 24
     min_gzip_ratio: float = 0.18
     gzip_window: int = 800
+    repeat_chars: int = 256
+    max_copies: int = 64
 
     def gzip_threshold(self, chars: int) -> float:
         """The gzip ratio below which a window of ``chars`` characters is a repetition loop:
@@ -71,6 +96,10 @@ class DetectorConfig:
             raise ValueError(f"--entropy-guard must be >= 0 tokens, got {self.entropy_guard}")
         if self.gzip_window < 1:
             raise ValueError(f"--gzip-window must be at least 1 character, got {self.gzip_window}")
+        if self.repeat_chars < 0:
+            raise ValueError(f"--abort-repeat must be >= 0 characters (0: off), got {self.repeat_chars}")
+        if self.max_copies < 0 or self.max_copies == 1:
+            raise ValueError(f"--abort-copies must be 0 (off) or at least 2, got {self.max_copies}")
         if math.isnan(self.max_entropy) or self.max_entropy < 0:
             raise ValueError(f"--abort-entropy must be >= 0 nats, got {self.max_entropy}")
         if math.isnan(self.min_gzip_ratio) or self.min_gzip_ratio < 0:
@@ -88,6 +117,7 @@ def entropy_nats(logits: np.ndarray) -> float:
     return float(math.log(s) - (p * z).sum() / s)
 
 
+TAIL_LIMIT = 1 << 15  # characters of text kept: more than any step holds, so O(step) per token
 GZIP_MIN_BYTES = 20  # 10-byte header + 8-byte trailer + the shortest deflate stream (2 bytes, empty input)
 
 
@@ -113,6 +143,40 @@ def shortest_gzip_abort(config: DetectorConfig, bytes_per_char: int = 1) -> int:
     return n
 
 
+_DIGITS = re.compile(r"[0-9]+")
+_PERIOD_PROBE = 64  # characters of the tail searched for earlier in the text (finds the period)
+
+
+def mask_digits(piece: str, after: str) -> str:
+    """``piece`` with each run of ASCII digits as one ``0``; ``after`` is the raw text before it, so a run
+    that continues across the boundary (``"1"`` then ``"05"``) still reads as one ``0``."""
+    out = _DIGITS.sub("0", piece)
+    if piece[:1].isascii() and piece[:1].isdigit() and after[-1:].isascii() and after[-1:].isdigit():
+        out = out[1:]
+    return out
+
+
+def periodic_tail(text: str) -> tuple[int, int]:
+    """(repeated, period) of ``text``'s periodic tail, in characters: the smallest period p at which the
+    last 64 characters occurred before, and how many characters at the end of ``text`` each equal the
+    character p before them (so ``"ab" * 40`` gives (78, 2): 39 copies after the first). (0, 0) when
+    the last 64 characters are new.
+
+    Cost: one ``str.rfind`` over ``text`` and a walk back over the repeat, O(len(text)).
+    """
+    n = len(text)
+    if n <= _PERIOD_PROBE:
+        return 0, 0
+    j = text.rfind(text[-_PERIOD_PROBE:], 0, n - 1)
+    if j < 0:
+        return 0, 0
+    p = n - _PERIOD_PROBE - j
+    i = n - 1 - p
+    while i >= 0 and text[i] == text[i + p]:
+        i -= 1
+    return n - 1 - p - i, p
+
+
 @dataclass
 class Signals:
     """The detector's readings after a token.
@@ -124,8 +188,12 @@ class Signals:
         gzip_ratio: ratio of the current window; min_gzip_ratio: the lowest seen so far.
         gzip_threshold: what the current window's ratio is compared with (see
             :meth:`DetectorConfig.gzip_threshold`; 0 before any text).
-        abort: None, or the reason: ``"entropy"`` (incoherent) or ``"repetition"`` (gzip); once set it
-            stays, with the first reason.
+        repeat_chars, period: the periodic tail of the text: characters equal to the one a period
+            earlier, and that period (characters; see :func:`periodic_tail`).
+        copies: back-to-back copies of one unit at the end of the digit-masked text (0 when its period
+            is under 2 characters).
+        abort: None, or the reason: ``"entropy"`` (incoherent), ``"repetition"`` (gzip) or ``"cycle"``
+            (periodic tail); once set it stays, with the first reason.
     """
 
     tokens: int = 0
@@ -134,13 +202,17 @@ class Signals:
     gzip_ratio: float = 1.0
     min_gzip_ratio: float = 1.0
     gzip_threshold: float = 0.0
+    repeat_chars: int = 0
+    period: int = 0
+    copies: int = 0
     abort: str | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready values (rounded)."""
         return {"tokens": self.tokens, "entropy": round(self.entropy, 4), "mean_entropy": round(self.mean_entropy, 4),
                 "gzip_ratio": round(self.gzip_ratio, 4), "min_gzip_ratio": round(self.min_gzip_ratio, 4),
-                "gzip_threshold": round(self.gzip_threshold, 4)}
+                "gzip_threshold": round(self.gzip_threshold, 4), "repeat_chars": self.repeat_chars,
+                "period": self.period, "copies": self.copies}
 
 
 class DegenerationDetector:
@@ -156,6 +228,8 @@ class DegenerationDetector:
         self.config = config.validate()
         self._entropies: deque[float] = deque(maxlen=config.entropy_window)
         self._text = ""
+        self._all = ""     # the whole candidate (bounded: a step is a few thousand characters)
+        self._masked = ""  # the same, digits masked
         self.signals = Signals()
 
     def push(self, text: str, logits: np.ndarray) -> Signals:
@@ -173,16 +247,25 @@ class DegenerationDetector:
         s.entropy = entropy
         self._entropies.append(s.entropy)
         s.mean_entropy = sum(self._entropies) / len(self._entropies)
-        self._text = (self._text + text)[-c.gzip_window:]
-        repetitive = False
+        repetitive = cyclic = False
         if text:  # the window changes only when text arrives
+            self._masked = (self._masked + mask_digits(text, self._all))[-TAIL_LIMIT:]
+            self._all = (self._all + text)[-TAIL_LIMIT:]
+            self._text = self._all[-c.gzip_window:]
             s.gzip_ratio = gzip_ratio(self._text)
             s.min_gzip_ratio = min(s.min_gzip_ratio, s.gzip_ratio)
             s.gzip_threshold = c.gzip_threshold(len(self._text))
             repetitive = s.gzip_ratio < s.gzip_threshold
+            s.repeat_chars, s.period = periodic_tail(self._all)
+            repeated, period = periodic_tail(self._masked)
+            s.copies = repeated // period + 1 if period >= 2 else 0
+            cyclic = ((c.repeat_chars and len(self._all) >= c.gzip_window and s.repeat_chars >= c.repeat_chars)
+                      or (c.max_copies and s.copies >= c.max_copies))
         if s.abort is None:
             if s.tokens >= c.entropy_guard and s.mean_entropy > c.max_entropy:
                 s.abort = "entropy"
             elif repetitive:
                 s.abort = "repetition"
+            elif cyclic:
+                s.abort = "cycle"
         return s

@@ -45,6 +45,7 @@ from zoomr.rescue.events import (
     StepCommitted,
 )
 from zoomr.grading import extract_answer
+from zoomr.solving import check_fits
 from zoomr.rescue.engine import Candidate, Engine
 from zoomr.rescue.scorers import Scorer, StepContext
 
@@ -141,12 +142,10 @@ class RescueLoop:
         was committed stays, every candidate fork is freed.
 
         Raises:
-            ValueError: a prompt longer than the context cap.
+            UserError: a prompt longer than the context cap (:func:`zoomr.solving.check_fits`).
         """
         t0 = time.perf_counter()
-        longest = max(len(base_prompt), len(helper_prompt))
-        if longest >= self.config.max_context:
-            raise ValueError(f"the prompt has {longest} tokens, more than -c {self.config.max_context} allows")
+        check_fits(max(len(base_prompt), len(helper_prompt)), self.config.max_context)
         self.question = question
         self.base.start(base_prompt)
         self.helper.start(helper_prompt)

@@ -18,14 +18,15 @@ from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
 from zoomr.factory import check_policy
 from zoomr.kvstore.registry import REFERENCE, REGISTRY, evicting
-from zoomr.options import RunOptions
+from zoomr.options import RunOptions, check_knobs_read
 
 from .degeneration import DetectorConfig
 from .loop import RescueConfig
 
 # values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
 DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
-            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "detector": True}
+            "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "abort_repeat": 256,
+            "abort_copies": 64, "detector": True}
 
 
 @dataclass
@@ -45,6 +46,8 @@ class RescueOptions:
     entropy_guard: Optional[int] = None
     abort_gzip: Optional[float] = None
     gzip_window: Optional[int] = None
+    abort_repeat: Optional[int] = None
+    abort_copies: Optional[int] = None
     detector: Optional[bool] = None
     preset: Optional[str] = None
 
@@ -83,7 +86,8 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     one the backend does not run is refused with the registry's reason.
 
     Raises:
-        UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset.
+        UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset, a policy
+            knob the base policy does not read.
         ValueError: bad counts or thresholds (see :meth:`RescueConfig.validate`).
     """
     preset = load_preset(ropts.preset)
@@ -108,7 +112,8 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     if policy not in REGISTRY:
         raise UserError(f"--base-policy {policy!r} unknown (choose from {choices})")
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
-                              pick("abort_gzip"), pick("gzip_window"))
+                              pick("abort_gzip"), pick("gzip_window"), pick("abort_repeat"),
+                              pick("abort_copies"))
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
                           detector=detector, early_exit=pick("detector")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
@@ -117,6 +122,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     helper_opts = dataclasses.replace(opts, model=pick("helper"), policy=REFERENCE, knobs={})
     # a bad policy knob, a missing helper or PRM should fail now, not after a model has loaded
     for_flag("--base-policy", check_policy, base_opts)
+    check_knobs_read(base_opts, "--base-policy")
     for_flag("-m", resolve_model, model)
     for_flag("--helper", resolve_model, helper_opts.model)
     if pick("prm") is not None:

@@ -14,7 +14,7 @@ from zoomr.backends.models import resolve_model
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.factory import build_backend
 from zoomr.options import RunOptions
-from zoomr.prompts import solve_prompt
+from zoomr.solving import fit_prompt
 
 from .events import Event, EventStream
 from .loop import RescueConfig, RescueLoop
@@ -46,7 +46,7 @@ def rescue_once(base, helper, scorer, sampler: Sampler, config: RescueConfig, qu
     Returns:
         (stop reason, the :class:`Transcript` of every event).
     Raises:
-        ValueError: a prompt longer than ``config.max_context``.
+        UserError: a prompt of ``config.max_context`` tokens or more (:func:`zoomr.solving.check_fits`).
     """
     events, transcript = EventStream(), Transcript()
     for sub in (transcript, *observers):
@@ -83,8 +83,9 @@ def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, sc
         the :class:`Transcript`: ``summary()`` (answer, stop_reason, steps, tokens, KV), ``record(problem)``
         (the ``--json`` document) and ``events``.
     Raises:
-        ValueError: no helper given for a base that cannot share its weights, a prompt longer than
-            ``config.max_context``, invalid counts or sampling values.
+        UserError: a prompt of ``config.max_context`` tokens or more, or problem text that is not valid
+            Unicode (:func:`zoomr.solving.fit_prompt`, as :func:`zoomr.solve` checks it).
+        ValueError: no helper given for a base that cannot share its weights, invalid counts or sampling values.
     """
     if helper is None:
         with_full_kv = getattr(base, "with_cache_factory", None)
@@ -93,7 +94,8 @@ def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, sc
         helper = with_full_kv(None)
     config = (config or RescueConfig(max_context=min(base.n_ctx, helper.n_ctx))).validate()
     sampler = Sampler(sampling or PAPER_SAMPLING)
-    base_ids, helper_ids = solve_prompt(base.tokenizer, problem, system), solve_prompt(helper.tokenizer, problem, system)
+    base_ids = fit_prompt(base.tokenizer, problem, system, config.max_context)
+    helper_ids = fit_prompt(helper.tokenizer, problem, system, config.max_context)
     _, transcript = rescue_once(base, helper, scorer or HelperLikelihoodScorer(), sampler, config, problem,
                                 base_ids, helper_ids, {"sampling": dataclasses.asdict(sampler.params)},
                                 observers=(on_event,) if on_event else (), stop_requested=stop_requested)

@@ -1,0 +1,18 @@
+"""``zoomr chat`` with stdin piped: stdout carries the answers alone (no ``> `` prompts), one line per turn;
+/stats, notes and errors go to stderr."""
+
+import pytest
+
+from conftest import zoomr
+
+
+@pytest.mark.slow
+def test_piped_chat_writes_only_answers_on_stdout():
+    r = zoomr("chat", "--no-live", "-n", "4", "--temp", "0", stdin="What is 2+2?\n/stats\n/bogus\nSay hi.\n")
+    assert r.returncode == 0, r.stderr
+    answers = r.stdout.splitlines()
+    assert len(answers) == 2 and all(a.strip() for a in answers), r.stdout
+    assert not any(a.startswith(">") for a in answers), r.stdout
+    assert "stats:" not in r.stdout
+    assert "stats: prefill" in r.stderr and "conversation: turns 1" in r.stderr
+    assert "unknown command /bogus" in r.stderr
