@@ -1,9 +1,15 @@
-"""Prefill and decode throughput of the torch backend (fp32, bf16) against llama-cpp-python, one run.
+"""Prefill and decode throughput of the torch backend (dense fp32/fp16/bf16, int8, int4) against llama-cpp-python.
 
 Same model file, same prompt, same thread count, greedy decoding; every engine is timed in this
-process one after the other, so the ratios are comparable even though absolute times vary by machine.
+process one after the other, so the ratios are comparable even though absolute times vary by machine
+(and by what else runs on it: one run, not a median).
 
-    python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2]
+Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
+(``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``. ``--json PATH`` writes the rows:
+``engine``, ``prefill_tok_s``, ``decode_tok_s``, ``prefill_ratio`` and ``decode_ratio`` (over llama.cpp's),
+``weight_MiB``, ``dtype``.
+
+    python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,10 +26,17 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(text, add_bos=False, special=False)[:n]
 
 
-def bench_torch(source, dtype: str, ids: list[int], n_decode: int, threads: int, device: str) -> dict:
+# row name → (--dtype, --quant)
+ROWS = {"fp32": ("fp32", "none"), "fp16": ("fp16", "none"), "bf16": ("bf16", "none"), "int8": ("auto", "int8"),
+        "int4": ("auto", "int4")}
+
+
+def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, device: str) -> dict:
     from zoomr.backends.torch.engine import TorchBackend
 
-    be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads)
+    dtype, quant = ROWS[row]
+    be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads,
+                      quant=quant)
     be.prefill(be.new_sequence(), ids[:16])  # warm-up: allocator, kernels
     seq = be.new_sequence()
     t = time.perf_counter()
@@ -34,8 +47,9 @@ def bench_torch(source, dtype: str, ids: list[int], n_decode: int, threads: int,
     for _ in range(n_decode):
         tok = int(np.argmax(be.decode(seq, tok)))
     decode_s = time.perf_counter() - t
-    return {"engine": f"torch {dtype}", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
-            "weight_MiB": be.model.weight_bytes() / 2**20}
+    return {"engine": f"torch {row}", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
+            "weight_MiB": be.model.weight_bytes() / 2**20, "dtype": str(be.dtype).replace("torch.", ""),
+            "weights": be.model.weight_summary()}
 
 
 def bench_llamacpp(path, ids: list[int], n_decode: int, threads: int) -> dict:
@@ -71,26 +85,31 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"torch rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
 
     from zoomr.backends.models import resolve_model
     from zoomr.backends.tokenizer import LlamaCppTokenizer
 
+    for row in a.rows.split(","):
+        if row not in ROWS:
+            ap.error(f"--rows: {row!r} unknown (choose from {', '.join(ROWS)})")
     src = resolve_model(a.model)
     ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
-    rows = [bench_llamacpp(src.path, ids, a.decode_tokens, a.threads)]
-    for dt in a.dtypes.split(","):
-        rows.append(bench_torch(src, dt, ids, a.decode_tokens, a.threads, a.device))
-    ref = rows[0]
-    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads")
-    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ×llama.cpp':>19}{'weights MiB':>13}")
-    for r in rows:
-        r["decode_ratio"] = r["decode_tok_s"] / ref["decode_tok_s"]
-        r["prefill_ratio"] = r["prefill_tok_s"] / ref["prefill_tok_s"]
-        print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['decode_tok_s']:>14.1f}{r['decode_ratio']:>19.2f}"
-              f"{r['weight_MiB']:>13.0f}")
+    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads", flush=True)
+    print(f"{'engine':<14}{'prefill tok/s':>15}{'×llama.cpp':>12}{'decode tok/s':>14}{'×llama.cpp':>12}"
+          f"{'weights MiB':>13}  compute", flush=True)
+    rows = []
+    for row in ["llama.cpp"] + a.rows.split(","):  # each row printed as it finishes
+        r = (bench_llamacpp(src.path, ids, a.decode_tokens, a.threads) if row == "llama.cpp"
+             else bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device))
+        rows.append(r)
+        r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
+        r["prefill_ratio"] = r["prefill_tok_s"] / rows[0]["prefill_tok_s"]
+        print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['prefill_ratio']:>12.2f}{r['decode_tok_s']:>14.1f}"
+              f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}",
+              flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -20,9 +20,12 @@ class KVCache(Protocol):
 
     Attributes:
         n_tokens: positions written so far (tokens); the next token's position.
+        needs_text: whether :meth:`end_forward` reads ``text`` (when False, callers may pass ``""`` and skip
+            detokenizing every forward).
     """
 
     n_tokens: int
+    needs_text: bool
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +82,7 @@ class FullKVCache:
         self._end = [[0] for _ in range(n_layers)]   # per layer: positions written into the buffers by
         #                                              any fork sharing them (one list object per buffer)
         self.n_tokens = 0
+        self.needs_text = False
         self.meter = KVMeter(self.token_bytes(), None, device.type)
 
     def _grow(self, layer: int, need: int) -> None:

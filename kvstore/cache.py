@@ -53,6 +53,7 @@ class PolicyKVCache:
         if offload == "stream" and policy.name != "full":
             raise ValueError(f"offload 'stream' copies every position each step; policy {policy.name} selects")
         self.policy, self.device, self.dtype, self.offload = policy, device, dtype, offload
+        self.needs_text = policy.needs_text
         self.events = events
         if block is None:
             block = BLOCK if offload == "resident" else STREAM_BLOCK

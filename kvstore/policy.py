@@ -99,6 +99,8 @@ class KVPolicy:
     """
 
     name: ClassVar[str] = "base"
+    # whether end_forward reads ForwardInfo.text (segment tracking): the backend detokenizes only for those
+    needs_text: ClassVar[bool] = False
     budget: int | None = None
     slack: int = 0
 

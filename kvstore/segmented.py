@@ -38,6 +38,8 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         ValueError: window < 1 or an unknown summaries mode.
     """
 
+    needs_text = True  # segments close on the text written
+
     def __init__(self, window: int = 128, summaries: str = "auto"):
         if window < 1:
             raise ValueError(f"{self.name}: --window must be at least 1 token, got {window}")

@@ -52,7 +52,7 @@ def _torch(opts: RunOptions) -> Backend:
     factory = torch_cache_factory(opts)
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
     return TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
-                        threads=opts.threads, cache_factory=factory)
+                        threads=opts.threads, cache_factory=factory, quant=opts.quant)
 
 
 def with_policy(backend: Backend, opts: RunOptions) -> Backend:
@@ -92,7 +92,26 @@ def build_backend(opts: RunOptions) -> Backend:
         raise UserError(str(e)) from None
     opts.check_knobs()
     check_lengths(opts)
+    check_quant_option(opts)
     return BACKENDS[opts.backend](opts)
+
+
+def check_quant_option(opts: RunOptions) -> None:
+    """``--quant`` names a mode, and one other than ``auto`` only on the torch backend (llama.cpp always runs
+    the file's own quantization).
+
+    Raises:
+        UserError: an unknown mode, or ``--quant int8|int4|none`` with ``--backend llamacpp``.
+    """
+    from zoomr.backends.torch.quant import check_quant
+
+    try:
+        check_quant(opts.quant)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if opts.quant != "auto" and opts.backend != "torch":
+        raise UserError(f"--quant {opts.quant} applies to the torch backend (llama.cpp runs the file's own "
+                        "quantization)")
 
 
 def check_lengths(opts: RunOptions) -> None:

@@ -29,6 +29,8 @@ class RunOptions:
     n_gpu_layers: int = -1
     device: str = "auto"
     dtype: str = "auto"
+    # torch: weight quantization (auto: a GGUF's own blocks, none for HF; none, int8, int4)
+    quant: str = "auto"
     temp: Optional[float] = None
     # KV-Rescue's (arXiv:2608.15797) top-k for every command: solve and bench run --rescue with it, and
     # bench records it; greedy runs (--temp 0) do not read it. llama.cpp's own default is 40.

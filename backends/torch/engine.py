@@ -16,6 +16,7 @@ from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
 
 from .model import Decoder
+from .quant import check_quant
 from .weights import load_gguf, load_hf_dir
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -46,18 +47,42 @@ def pick_device(spec: str = "auto") -> torch.device:
     return dev
 
 
-def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``auto`` → bf16 on CUDA and CPU: decode is memory-bound and bf16 halves the bytes per token (measured
-    2.2× faster decode than fp32 on a 2-core CPU, benchmarks/backend_speed.py); prefill GEMMs upcast on CPU.
+def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.dtype:
+    """``auto`` → bf16 on CUDA; on a CPU the faster of bf16 and fp16 for the kernel the linears run, measured
+    once per machine (:func:`zoomr.backends.torch.dtype_probe.cpu_half_dtype`): decode is memory-bound and a
+    half-size type halves the bytes per token, but which one this CPU computes faster varies.
 
+    Args:
+        spec: ``auto``, ``fp32``, ``bf16``, ``fp16`` (or the long names).
+        kernel: what the model's linears run: ``dense``, ``int4`` or ``int8``.
     Raises:
         ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included).
     """
     if spec == "auto":
+        if device.type == "cpu":
+            from .dtype_probe import cpu_half_dtype
+
+            return cpu_half_dtype(kernel)
         return torch.bfloat16
     if spec not in DTYPES:
         raise ValueError(f"--dtype {spec!r} unknown (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[spec]
+
+
+def resolve_quant(quant: str, kind: str, dtype: str) -> str:
+    """The ``--quant`` mode a model runs: ``auto`` keeps a GGUF's blocks quantized in a half compute dtype and
+    is ``none`` for HF directories and at ``--dtype fp32`` (the exact-check dtype: the int kernels' fp32 paths
+    are ~10× slower on CPU, and dense fp32 weights dequantized from the blocks hold the same values).
+
+    Args:
+        quant: ``auto``, ``none``, ``int8``, ``int4``; kind: ``gguf`` or ``hf``; dtype: the ``--dtype`` given.
+    Raises:
+        ValueError: an unknown mode.
+    """
+    check_quant(quant)
+    if quant != "auto":
+        return quant
+    return "auto" if kind == "gguf" and DTYPES.get(dtype) != torch.float32 else "none"
 
 
 @dataclass
@@ -83,27 +108,33 @@ class TorchBackend:
         source: resolved model files (GGUF or HF directory).
         device: "auto", "cpu", "cuda", "cuda:1" ...
         dtype: "auto", "fp32", "bf16", "fp16".
+        quant: "auto" (keep a GGUF's Q4_0/Q4_1/Q8_0 blocks as int4, exactly; none for HF), "none" (dense in the
+            compute dtype), "int8" or "int4" (quantize at load; GGUF Q4 blocks stay exact under int4). See
+            :mod:`zoomr.backends.torch.quant`.
         n_ctx: most positions a sequence may hold (tokens), ``-c``.
         threads: CPU threads for torch (``-t``); None keeps torch's default.
         cache_factory: builds the KV cache of each new sequence; default full KV on the device.
     Raises:
         backends.torch.weights.ModelLoadError: unreadable weights.
-        ValueError: bad device/dtype, n_ctx < 1, tokenizer/model vocabulary mismatch.
+        ValueError: bad device/dtype/quant, n_ctx < 1, tokenizer/model vocabulary mismatch.
     """
 
     name = "torch"
 
     def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto", n_ctx: int = 4096,
-                 threads: int | None = None, cache_factory: CacheFactory | None = None):
+                 threads: int | None = None, cache_factory: CacheFactory | None = None, quant: str = "auto"):
         if n_ctx < 1:
             raise ValueError(f"-c must be >= 1, got {n_ctx}")
+        check_quant(quant)
         if threads:
             torch.set_num_threads(threads)
         self.source = source
         self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+        self.quant = resolve_quant(quant, source.kind, dtype)
+        kernel = {"none": "dense", "int8": "int8"}.get(self.quant, "int4")
+        self.dtype = pick_dtype(dtype, self.device, kernel)
         if source.kind == "gguf":
-            cfg, tensors, meta = load_gguf(source.path)
+            cfg, tensors, meta = load_gguf(source.path, keep_blocks=self.quant != "none")
             self.tokenizer = LlamaCppTokenizer(source.path)
         else:
             cfg, tensors, meta = load_hf_dir(source.path)
@@ -111,7 +142,7 @@ class TorchBackend:
         if self.tokenizer.vocab_size > cfg.vocab:
             raise ValueError(f"{source.path}: tokenizer has {self.tokenizer.vocab_size} ids, model {cfg.vocab}")
         self.cfg = cfg
-        self.model = Decoder(cfg, tensors, self.device, self.dtype)
+        self.model = Decoder(cfg, tensors, self.device, self.dtype, quant=self.quant)
         del tensors
         self.n_ctx = n_ctx
         self.cache_factory = cache_factory or _full_cache
@@ -126,13 +157,13 @@ class TorchBackend:
         return view
 
     def describe(self) -> str:
-        """One line: model, backend, device, dtype, policy."""
+        """One line: model, backend, device, dtype, weights, policy."""
         return f"{self.describe_model()} · KV policy {self.policy_name}"
 
     def describe_model(self) -> str:
         """:meth:`describe` without the policy, for a caller that runs several policies on these weights."""
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
-                f" · {self.cfg.n_layers} layers")
+                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers")
 
     def new_sequence(self) -> TorchSequence:
         """An empty sequence with a fresh cache from the cache factory."""
@@ -149,7 +180,8 @@ class TorchBackend:
         t_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         logits = self.model.forward(t_ids, pos, seq.cache, all_logits=all_logits)
-        seq.cache.end_forward(ids, self.tokenizer.decode(ids))
+        # only segment-tracking policies read the text: the others skip a detokenization per token
+        seq.cache.end_forward(ids, self.tokenizer.decode(ids) if getattr(seq.cache, "needs_text", True) else "")
         seq.tokens.extend(ids)
         return logits.cpu().numpy()
 

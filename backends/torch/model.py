@@ -18,18 +18,18 @@ import torch.nn.functional as F
 from zoomr.kvstore.base import KVCache
 
 from .config import ModelConfig
+from .quant import DenseLinear, GroupQuant, Linear, QuantEmbedding, check_quant, make_linear
 from .rope import RotaryTable, apply_rotary, inv_frequencies
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor   # [hidden]
-    wqkv: torch.Tensor        # [(H + 2*Hkv) * d, hidden]
-    bqkv: torch.Tensor | None  # [(H + 2*Hkv) * d]
-    wo: torch.Tensor          # [hidden, H * d]
+    qkv: Linear               # hidden → (H + 2*Hkv) * d, bias included (Qwen2)
+    o: Linear                 # H * d → hidden
     mlp_norm: torch.Tensor    # [hidden]
-    w_gate_up: torch.Tensor   # [2 * ffn, hidden]
-    w_down: torch.Tensor      # [hidden, ffn]
+    gate_up: Linear           # hidden → 2 * ffn
+    down: Linear              # ffn → hidden
 
 
 class Decoder:
@@ -37,63 +37,87 @@ class Decoder:
 
     Args:
         cfg: architecture.
-        tensors: float32 numpy weights under HF names (see ``weights.py``).
+        tensors: weights under HF names (see ``weights.py``): float numpy arrays, or
+            :class:`~zoomr.backends.torch.quant.GroupQuant` for GGUF blocks kept quantized.
         device: torch device.
         dtype: compute dtype (float32, bfloat16, float16).
+        quant: ``--quant`` mode, resolved (``auto`` keeps blocks as int4 and floats dense; ``none``, ``int8``,
+            ``int4``: see :func:`~zoomr.backends.torch.quant.make_linear`).
     """
 
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, np.ndarray], device: torch.device,
-                 dtype: torch.dtype):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+    def __init__(self, cfg: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype,
+                 quant: str = "none"):
+        self.cfg, self.device, self.dtype, self.quant = cfg, device, dtype, check_quant(quant)
 
-        def t(name: str) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(tensors[name])).to(device=device, dtype=dtype)
+        def t(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+            w = tensors[name]
+            w = w.dequantize() if isinstance(w, GroupQuant) else w
+            return torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dt)
 
-        self.embed = t("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tied_embeddings else t("lm_head.weight")
-        self.norm = t("model.norm.weight")
+        def norm(name: str) -> torch.Tensor:  # norms run on the fp32 residual stream
+            return t(name, torch.float32)
+
+        def lin(names: list[str], bias: list[str] | None = None) -> Linear:
+            b = np.concatenate([np.asarray(tensors[n], np.float32) for n in bias]) if bias else None
+            return make_linear([tensors[n] for n in names], b, quant, device, dtype)
+
+        emb = tensors["model.embed_tokens.weight"]
+        if isinstance(emb, GroupQuant) and quant != "none":
+            self.embed = QuantEmbedding(emb, device)  # exact rows, a quarter (Q8_0) of fp32's bytes
+        else:
+            self.embed = t("model.embed_tokens.weight")
+        if cfg.tied_embeddings and isinstance(self.embed, torch.Tensor) and (
+                quant == "none" or (quant == "auto" and not isinstance(emb, GroupQuant))):
+            self.lm_head = DenseLinear.sharing(self.embed)  # one table for lookup and head
+        else:
+            name = "model.embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"
+            # a float head quantized to int4 at load loses too much (SmolLM2-135M: top-1 vs llama.cpp 0.89,
+            # KL 0.037 nats; per-row int8 0.973 / 0.0049): under --quant int4 it gets int8
+            head_mode = "int8" if quant == "int4" and not isinstance(tensors[name], GroupQuant) else quant
+            self.lm_head = make_linear([tensors[name]], None, head_mode, device, dtype)
+        self.norm = norm("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            bias = None
-            if cfg.attn_bias:
-                bias = torch.cat([t(a + f"{x}_proj.bias") for x in "qkv"])
             self.layers.append(_Layer(
-                attn_norm=t(p + "input_layernorm.weight"),
-                wqkv=torch.cat([t(a + f"{x}_proj.weight") for x in "qkv"]),
-                bqkv=bias,
-                wo=t(a + "o_proj.weight"),
-                mlp_norm=t(p + "post_attention_layernorm.weight"),
-                w_gate_up=torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]),
-                w_down=t(p + "mlp.down_proj.weight"),
+                attn_norm=norm(p + "input_layernorm.weight"),
+                qkv=lin([a + f"{x}_proj.weight" for x in "qkv"],
+                        [a + f"{x}_proj.bias" for x in "qkv"] if cfg.attn_bias else None),
+                o=lin([a + "o_proj.weight"]),
+                mlp_norm=norm(p + "post_attention_layernorm.weight"),
+                gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=lin([p + "mlp.down_proj.weight"]),
             ))
         freq = tensors.get("rope_freqs")
         inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                              torch.from_numpy(freq) if freq is not None else None)
-        self.rope = RotaryTable(inv, device, torch.float32, n=min(cfg.max_ctx, 8192))
-        self._upcast_gemm = device.type == "cpu" and dtype != torch.float32
-        self._split = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+                              torch.from_numpy(np.asarray(freq, np.float32)) if freq is not None else None)
+        # held in the compute dtype: the rotation then costs no cast per forward (angles computed in float64)
+        self.rope = RotaryTable(inv, device, dtype, n=min(cfg.max_ctx, 8192))
+
+    def linears(self) -> list[Linear]:
+        """Every linear of the model, LM head last."""
+        return [x for L in self.layers for x in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights as held on the device (tied embeddings counted once)."""
-        seen, total = set(), 0
-        for w in [self.embed, self.lm_head, self.norm] + [x for l in self.layers for x in vars(l).values()]:
-            if w is not None and id(w) not in seen:
-                seen.add(id(w))
-                total += w.numel() * w.element_size()
-        return total
+        """Bytes of all weights as held on the device (a tied table counted once per form it is held in)."""
+        total = sum(x.nbytes() for x in self.linears())
+        tensors = [self.norm] + [w for L in self.layers for w in (L.attn_norm, L.mlp_norm)]
+        if isinstance(self.embed, QuantEmbedding):
+            total += self.embed.nbytes()
+        elif not (isinstance(self.lm_head, DenseLinear) and self.lm_head.w is self.embed):
+            tensors.append(self.embed)
+        return total + sum(w.numel() * w.element_size() for w in tensors)
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        # CPUs without bf16 arithmetic run bf16 GEMMs ~4x slower than fp32, while a one-row decode GEMV is
-        # memory-bound and gains from bf16's half-size weights: upcast only for many-row (prefill) GEMMs.
-        if self._upcast_gemm and x.shape[0] > 8:
-            return F.linear(x.float(), w.float(), None if b is None else b.float()).to(self.dtype)
-        return F.linear(x, w, b)
+    def weight_summary(self) -> str:
+        """How the linears are held, e.g. ``int4 (Q4_1), head int4 (Q8_0)``."""
+        body = sorted({x.kind for x in self.linears()[:-1]})
+        return f"{'/'.join(body)}, head {self.lm_head.kind}"
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)).to(self.dtype) * w
+        # x: the fp32 residual stream; one fused op instead of seven small ones (decode runs 61 per token),
+        # the result in the compute dtype the linears take
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_eps).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -113,32 +137,36 @@ class Decoder:
         cfg = self.cfg
         T = ids.shape[0]
         H, Hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x = self.embed[ids]
+        # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
+        # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
+        x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        mask = None
+        mask_n = -1
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.attn_norm)
-            qkv = self._linear(h, L.wqkv, L.bqkv)
-            q, k, v = qkv.split(self._split, dim=-1)
-            q = apply_rotary(q.view(T, H, d).transpose(0, 1), cos, sin)
-            k = apply_rotary(k.view(T, Hkv, d).transpose(0, 1), cos, sin)
-            v = v.view(T, Hkv, d).transpose(0, 1)
+            qkv = L.qkv(h)
+            # q and k rotate together: one rotation per layer instead of two
+            qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(T, H + Hkv, d).transpose(0, 1), cos, sin)
+            q, k = qk[:H], qk[H:]
+            v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d).transpose(0, 1)
             K, V = cache.update(li, q, k, v)
             N = K.shape[1]
-            mask = None
-            if T > 1:
-                # the T new tokens are the last T of the N attended: causal within them
+            if T > 1 and N != mask_n:
+                # the T new tokens are the last T of the N attended: causal within them; layers attending
+                # the same N (all of them under full KV) share one mask
                 mask = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(diagonal=N - T)
+                mask_n = N
             o = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
                                                attn_mask=mask, enable_gqa=H != Hkv)
-            x = x + self._linear(o[0].transpose(0, 1).reshape(T, H * d), L.wo)
+            x = x + L.o(o[0].transpose(0, 1).reshape(T, H * d))
             h = self._rms(x, L.mlp_norm)
-            gate, up = self._linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, L.w_down)
+            gate, up = L.gate_up(h).chunk(2, dim=-1)
+            x = x + L.down(F.silu(gate) * up)
         if not all_logits:
             x = x[-1:]
         h = self._rms(x, self.norm)
-        out = (h if return_hidden else self._linear(h, self.lm_head)).float()
+        out = (h if return_hidden else self.lm_head(h)).float()
         return out if all_logits else out[0]
 
     @torch.inference_mode()

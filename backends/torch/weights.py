@@ -24,6 +24,7 @@ from zoomr.backends.gguf_file import (PER_LAYER_KEYS, ROPE_BASE_DEFAULTS, GGUFAr
 from zoomr.backends.models import ModelLoadError, short_repr
 
 from .config import SUPPORTED_ARCHS, ModelConfig
+from .quant import GGUF_BLOCK_TYPES, GroupQuant, from_gguf_blocks
 
 
 _GGUF_LAYER_NAMES = {
@@ -154,16 +155,20 @@ def _gguf_names(n_layers: int) -> dict[str, str]:
     return names
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
-    """Read and dequantize a GGUF file, after checking its header, metadata and every tensor's shape.
+def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray | GroupQuant], dict]:
+    """Read a GGUF file, after checking its header, metadata and every tensor's shape.
 
-    Memory: at most 4 bytes per element of the tensors the checked header describes (float32 copies),
-    each of which lies inside the file; nothing is allocated before every check has passed.
+    Memory: at most 4 bytes per element of the tensors the checked header describes (float32 copies; 2
+    bytes of codes plus scales for kept blocks), each of which lies inside the file; nothing is allocated
+    before every check has passed.
 
     Args:
         path: GGUF file.
+        keep_blocks: return 2-D Q4_0/Q4_1/Q8_0 tensors as their exact codes and scales
+            (:func:`zoomr.backends.torch.quant.from_gguf_blocks`) instead of dequantizing them.
     Returns:
-        (config, tensors as float32 arrays under HF names, metadata dict with ``chat_template``).
+        (config, tensors under HF names: float32 arrays, or :class:`GroupQuant` where blocks are kept,
+        metadata dict with ``chat_template``).
     Raises:
         ModelLoadError: not a GGUF file, a corrupt or truncated header or data, missing or ill-typed
             metadata, unsupported architecture or quantization, missing, unknown or misshapen tensors.
@@ -187,11 +192,18 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], dict]:
             first = next(t.name for t in named.values() if t.ggml_type == qtype)
             raise ModelLoadError(f"{path}: tensor {first} has unsupported type {qtype.name}") from None
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, np.ndarray | GroupQuant] = {}
     for name, t in named.items():
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         rows = t.shape[:-1]
         raw = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.ne[0] // block * type_size)
+        if keep_blocks and len(rows) == 1 and t.ggml_type.name in GGUF_BLOCK_TYPES:
+            q = from_gguf_blocks(raw, t.ggml_type.name)
+            if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads
+                q = q.take_rows(unpermute_qk(np.arange(q.shape[0]), heads))
+            tensors[name] = q
+            continue
         arr = gguf.quants.dequantize(raw, t.ggml_type)
         # F32 tensors come back as read-only views of the memory-mapped file: copy those
         arr = np.require(arr, np.float32, ["C", "W"]).reshape(t.shape)

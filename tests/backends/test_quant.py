@@ -1,0 +1,180 @@
+"""Quantized weights: GGUF blocks decode exactly, the int kernels compute what the dequantized weights do,
+``--quant`` and ``--dtype auto`` resolve as documented."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_one_line_error, zoomr
+from zoomr.backends.torch import dtype_probe
+from zoomr.backends.torch.engine import resolve_quant
+from zoomr.backends.torch.quant import (GROUP, DenseLinear, GroupQuant, Int4Linear, Int8Linear, QuantEmbedding,
+                                        check_quant, from_gguf_blocks, make_linear, quantize_int4)
+
+CPU = torch.device("cpu")
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def random_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
+    """[rows, blocks · size] uint8 of valid blocks: random codes, fp16 scales/minima of mixed sign and size."""
+    rng = np.random.default_rng(seed)
+    size = BLOCK_BYTES[type_name]
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    halves = 2 if type_name == "Q4_1" else 1  # d (and m) as finite fp16 values, not random bit patterns
+    vals = (rng.standard_normal((rows, blocks, halves)) * 10.0 ** rng.uniform(-4, -1, (rows, blocks, 1)))
+    raw[..., :2 * halves] = vals.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2 * halves)
+    return raw.reshape(rows, blocks * size)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_decode_exactly_as_gguf_dequantizes(type_name):
+    raw = random_blocks(type_name, rows=7, blocks=5)
+    q = from_gguf_blocks(raw, type_name)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    assert q.shape == (7, 5 * GROUP) and q.group == GROUP
+    np.testing.assert_array_equal(q.dequantize(), ref)
+
+
+def test_embedded_model_blocks_decode_exactly(gguf_weights, embedded_path):
+    """The file's own tensors (Q4_1 layers, Q8_0 embedding), Q/K rows unpermuted as for float weights."""
+    from zoomr.backends.torch.weights import load_gguf
+
+    _, kept, _ = load_gguf(embedded_path, keep_blocks=True)
+    _, floats = gguf_weights
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.3.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert isinstance(kept[name], GroupQuant), name
+        np.testing.assert_array_equal(kept[name].dequantize(), floats[name])
+    assert kept["model.embed_tokens.weight"].source == "Q8_0"
+    assert kept["model.layers.0.mlp.up_proj.weight"].source == "Q4_1"
+
+
+def linear_inputs(K: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((T, K)).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [48, 37])  # 37: not a multiple of the kernel's 16-row tiles (padded)
+def test_int4_kernel_equals_dequantized_matmul_fp32(type_name, rows):
+    """fp32 activations hold the scales exactly: the kernel's result is the fp32 matmul of the file's weights."""
+    q = from_gguf_blocks(random_blocks(type_name, rows=rows, blocks=6, seed=rows), type_name)
+    bias = np.random.default_rng(2).standard_normal(rows).astype(np.float32)
+    lin = Int4Linear(q, bias, CPU, torch.float32)
+    x = linear_inputs(q.shape[1], T=5)
+    ref = F.linear(x.double(), torch.from_numpy(q.dequantize()).double(), torch.from_numpy(bias).double())
+    got = lin(x)
+    assert got.shape == (5, rows)
+    scale = float(ref.abs().max())
+    np.testing.assert_allclose(got.double().numpy(), ref.numpy(), atol=2e-6 * scale, rtol=0)
+
+
+def test_int4_kernel_bf16_within_bf16_rounding():
+    """bf16: scales and zeros are rounded to bf16 (the kernel's dtype); the error is that of bf16 weights."""
+    q = from_gguf_blocks(random_blocks("Q4_1", rows=64, blocks=18, seed=3), "Q4_1")
+    x = linear_inputs(q.shape[1], T=3)
+    ref = F.linear(x.double(), torch.from_numpy(q.dequantize()).double())
+    got = Int4Linear(q, None, CPU, torch.bfloat16)(x.bfloat16()).double()
+    dense_bf16 = F.linear(x.bfloat16(), torch.from_numpy(q.dequantize()).bfloat16()).double()
+    err, dense_err = float((got - ref).abs().max()), float((dense_bf16 - ref).abs().max())
+    assert err <= 2 * dense_err + 1e-6, (err, dense_err)
+
+
+def test_int8_kernel_equals_its_per_row_weight():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    lin = Int8Linear(w, None, CPU, torch.float32)
+    wq = lin.w8.float() * lin.scale[:, None]
+    # per-row symmetric rounding: each weight within half a step of the original
+    assert float((wq - torch.from_numpy(w)).abs().max(1).values.sub(lin.scale / 2).max()) <= 1e-6
+    x = linear_inputs(96, T=4)
+    np.testing.assert_allclose(lin(x).numpy(), F.linear(x.double(), wq.double()).numpy(), atol=1e-4, rtol=1e-5)
+
+
+def test_quantize_int4_within_half_a_step():
+    w = np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)
+    w[3, :32] = 0.25  # a constant group is exact
+    q = quantize_int4(w)
+    assert q.codes.min() >= 0 and q.codes.max() <= 15
+    err = np.abs(q.dequantize() - w).reshape(16, 2, 32).max(-1)
+    assert (err <= q.scale / 2 + 1e-6).all()
+    assert err[3, 0] == 0
+
+
+def test_embedding_rows_are_exact():
+    q = from_gguf_blocks(random_blocks("Q8_0", rows=50, blocks=3, seed=6), "Q8_0")
+    emb = QuantEmbedding(q, CPU)
+    ids = torch.tensor([0, 7, 49, 7])
+    np.testing.assert_array_equal(emb[ids].numpy(), q.dequantize()[ids.numpy()])
+
+
+def test_make_linear_modes():
+    blocks = from_gguf_blocks(random_blocks("Q4_1", rows=32, blocks=2), "Q4_1")
+    dense = np.random.default_rng(7).standard_normal((16, 64)).astype(np.float32)
+    assert isinstance(make_linear([blocks], None, "auto", CPU, torch.float32), Int4Linear)
+    assert isinstance(make_linear([dense], None, "auto", CPU, torch.float32), DenseLinear)
+    assert isinstance(make_linear([blocks, dense], None, "int4", CPU, torch.float32), Int4Linear)
+    assert isinstance(make_linear([blocks], None, "int8", CPU, torch.float32), Int8Linear)
+    assert isinstance(make_linear([blocks], None, "none", CPU, torch.float32), DenseLinear)
+
+
+def test_quant_resolution():
+    assert resolve_quant("auto", "gguf", "auto") == "auto"
+    assert resolve_quant("auto", "gguf", "bf16") == "auto"
+    assert resolve_quant("auto", "gguf", "fp32") == "none"  # the exact-check dtype runs dense
+    assert resolve_quant("auto", "hf", "auto") == "none"
+    assert resolve_quant("int4", "hf", "fp32") == "int4"
+    with pytest.raises(ValueError, match="--quant 'int3' unknown"):
+        check_quant("int3")
+
+
+def test_dtype_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZOOMR_CACHE", str(tmp_path))
+    first = dtype_probe.cpu_half_dtype("dense")
+    assert first in (torch.bfloat16, torch.float16)
+    stored = json.loads((tmp_path / "dtype_probe.json").read_text())
+    (entry,) = stored.values()
+    assert set(entry["ms"]) == {"bf16", "fp16"} and entry["dtype"] in ("bf16", "fp16")
+    # the cached answer is the one used: flip it and it is read back, not re-measured
+    flipped = "fp16" if entry["dtype"] == "bf16" else "bf16"
+    (tmp_path / "dtype_probe.json").write_text(json.dumps({k: {**v, "dtype": flipped} for k, v in stored.items()}))
+    assert dtype_probe.cpu_half_dtype("dense") == dtype_probe.CANDIDATES[flipped]
+
+
+def test_quantized_decoder_close_to_dense(embedded_path):
+    """The whole model, int4 from the file's blocks with fp32 activations (exact scales), against the dense fp32
+    decoder on the same dequantized weights: the same function up to fp32 summation order."""
+    from zoomr.backends.torch.model import Decoder
+    from zoomr.backends.torch.weights import load_gguf
+    from zoomr.kvstore.base import FullKVCache
+
+    cfg, kept, _ = load_gguf(embedded_path, keep_blocks=True)
+    ids = torch.tensor([1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2])
+    out = {}
+    for quant in ("auto", "none"):
+        dec = Decoder(cfg, kept, CPU, torch.float32, quant=quant)
+        cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, CPU, torch.float32)
+        out[quant] = dec.forward(ids, torch.arange(len(ids)), cache, all_logits=True).numpy()
+        if quant == "auto":
+            assert dec.weight_summary() == "int4 (Q4_1), head int4 (Q8_0)"
+    np.testing.assert_allclose(out["auto"], out["none"], atol=2e-3, rtol=0)
+
+
+def test_bad_quant_is_one_line_exit_2():
+    assert_one_line_error(zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int3"))
+    r = zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int4", "--backend", "llamacpp")
+    assert_one_line_error(r)
+    assert "torch backend" in r.stderr
+
+
+def test_int4_at_load_quantizes_float_body_and_gives_the_head_int8(gguf_weights):
+    """HF-style float weights under --quant int4: the layers int4, the (tied) head int8 per row."""
+    from zoomr.backends.torch.model import Decoder
+
+    cfg, floats = gguf_weights
+    dec = Decoder(cfg, floats, CPU, torch.bfloat16, quant="int4")
+    assert dec.weight_summary() == "int4 (from float), head int8 (from float)"
+    assert isinstance(dec.embed, torch.Tensor)  # the lookup table stays dense
