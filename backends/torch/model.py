@@ -122,7 +122,8 @@ class Decoder:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 all_logits: bool = False, return_hidden: bool = False) -> torch.Tensor:
-        """Run T tokens through the model, appending their K/V to ``cache``.
+        """Run T tokens of one sequence through the model, appending their K/V to ``cache``
+        (:meth:`forward_batch` with one sequence).
 
         Args:
             ids: [T] int64 token ids.
@@ -134,44 +135,13 @@ class Decoder:
         Returns:
             float32 logits, [vocab] or [T, vocab]; with ``return_hidden``, [hidden] or [T, hidden].
         """
-        cfg = self.cfg
-        T = ids.shape[0]
-        H, Hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
-        # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
-        x = self.embed[ids].float()
-        cos, sin = self.rope.get(positions)
-        mask = None
-        mask_n = -1
-        for li, L in enumerate(self.layers):
-            h = self._rms(x, L.attn_norm)
-            qkv = L.qkv(h)
-            # q and k rotate together: one rotation per layer instead of two
-            qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(T, H + Hkv, d).transpose(0, 1), cos, sin)
-            q, k = qk[:H], qk[H:]
-            v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d).transpose(0, 1)
-            K, V = cache.update(li, q, k, v)
-            N = K.shape[1]
-            if T > 1 and N != mask_n:
-                # the T new tokens are the last T of the N attended: causal within them; layers attending
-                # the same N (all of them under full KV) share one mask
-                mask = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(diagonal=N - T)
-                mask_n = N
-            o = F.scaled_dot_product_attention(q.unsqueeze(0), K.unsqueeze(0), V.unsqueeze(0),
-                                               attn_mask=mask, enable_gqa=H != Hkv)
-            x = x + L.o(o[0].transpose(0, 1).reshape(T, H * d))
-            h = self._rms(x, L.mlp_norm)
-            gate, up = L.gate_up(h).chunk(2, dim=-1)
-            x = x + L.down(F.silu(gate) * up)
-        if not all_logits:
-            x = x[-1:]
-        h = self._rms(x, self.norm)
-        out = (h if return_hidden else self.lm_head(h)).float()
+        out = self.forward_batch(ids, positions, [ids.shape[0]], [cache], all_logits=all_logits,
+                                 return_hidden=return_hidden)
         return out if all_logits else out[0]
 
     @torch.inference_mode()
     def forward_batch(self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], caches: list[KVCache],
-                      all_logits: bool = False, attention: str = "auto") -> torch.Tensor:
+                      all_logits: bool = False, attention: str = "auto", return_hidden: bool = False) -> torch.Tensor:
         """Run B sequences' new tokens, packed, through the model; each sequence reads its own cache.
 
         Norms, projections, MLP and LM head run once over all S = Σ lengths rows; attention runs per
@@ -190,6 +160,7 @@ class Decoder:
                 1-16 (benchmarks/batch_throughput.py --attention per_seq padded), while the
                 projections took ~75 % of a batch-8 step; ``padded`` needs no per-length kernel and is
                 the natural one for a device where each SDPA launch costs (not measured on CUDA yet).
+            return_hidden: the final-norm hidden states ([B or S, hidden]) instead of logits.
         Returns:
             float32 logits on the model's device, [B, vocab] (or [S, vocab] with ``all_logits``).
         Raises:
@@ -208,35 +179,42 @@ class Decoder:
         for n in lengths:
             bounds.append((s0, s0 + n))
             s0 += n
-        x = self.embed[ids]
+        # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
+        # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
+        x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         o = torch.empty(S, H * d, device=x.device, dtype=self.dtype)
+        masks: dict[tuple[int, int], torch.Tensor] = {}  # layers attending the same N share one causal mask
         for li, L in enumerate(self.layers):
             h = self._rms(x, L.attn_norm)
-            qkv = self._linear(h, L.wqkv, L.bqkv)
-            q, k, v = qkv.split(self._split, dim=-1)
-            q = apply_rotary(q.view(S, H, d).transpose(0, 1), cos, sin)      # [H, S, d]
-            k = apply_rotary(k.view(S, Hkv, d).transpose(0, 1), cos, sin)    # [Hkv, S, d]
-            v = v.view(S, Hkv, d).transpose(0, 1)
+            qkv = L.qkv(h)
+            # q and k rotate together: one rotation per layer instead of two
+            qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d).transpose(0, 1), cos, sin)
+            q, k = qk[:H], qk[H:]                                             # [H, S, d], [Hkv, S, d]
+            v = qkv[:, (H + Hkv) * d:].view(S, Hkv, d).transpose(0, 1)
             if attention == "padded":
                 self._attend_padded(li, q, k, v, caches, o)
             else:
                 for (a, b), cache in zip(bounds, caches):
                     K, V = cache.update(li, q[:, a:b], k[:, a:b], v[:, a:b])
                     T, N = b - a, K.shape[1]
-                    # the T new tokens are the last T of the N attended: causal within them
-                    mask = None if T == 1 else torch.ones(T, N, dtype=torch.bool, device=x.device).tril(N - T)
+                    mask = None
+                    if T > 1:
+                        # the T new tokens are the last T of the N attended: causal within them
+                        mask = masks.get((T, N))
+                        if mask is None:
+                            mask = masks[(T, N)] = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(N - T)
                     ob = F.scaled_dot_product_attention(q[None, :, a:b], K[None], V[None], attn_mask=mask,
                                                         enable_gqa=H != Hkv)
                     o[a:b] = ob[0].transpose(0, 1).reshape(T, H * d)
-            x = x + self._linear(o, L.wo)
+            x = x + L.o(o)
             h = self._rms(x, L.mlp_norm)
-            gate, up = self._linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, L.w_down)
+            gate, up = L.gate_up(h).chunk(2, dim=-1)
+            x = x + L.down(F.silu(gate) * up)
         if not all_logits:
-            x = x[torch.tensor([b - 1 for _, b in bounds], device=x.device)]
-        return self._linear(self._rms(x, self.norm), self.lm_head).float()
+            x = x[[b - 1 for _, b in bounds]] if len(bounds) > 1 else x[-1:]
+        h = self._rms(x, self.norm)
+        return (h if return_hidden else self.lm_head(h)).float()
 
     def _attend_padded(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[KVCache],
                        out: torch.Tensor) -> None:
