@@ -8,7 +8,7 @@ it should keep, and how often it catches text that it should abort, with three g
 * ``scaled``: :meth:`DetectorConfig.gzip_threshold`, τ_cmp · n / 800 for a window of n < 800 characters,
   gzip alone;
 * ``after``: what ships: ``scaled`` plus the periodic-tail ``"cycle"`` test (digits masked; 256 characters
-  of repeat once the window is full, or 64 copies of one unit);
+  of repeat once the window is full, or 64 copies of one unit, 32 if they cover 256 characters);
 * ``full_window``: no gzip abort at all before 800 characters (the alternative considered and rejected:
   a loop of one-character tokens never fills the window within a 512-token step).
 

@@ -43,7 +43,7 @@ _DECLS = {
     "abort_repeat": (Optional[int], _opt("--abort-repeat", help="Abort when, with the gzip window full, this many "
                                          "characters repeat the text one period earlier (default 256; 0: off).")),
     "abort_copies": (Optional[int], _opt("--abort-copies", help="Abort when the text ends in this many copies of "
-                                         "one unit, digits read alike (a count; default 64; 0: off).")),
+                                         "one unit, digits read alike, or half as many covering 256 characters (a count; default 64; 0: off).")),
     "detector": (Optional[bool], _opt("--detector/--no-detector", help="Abort degenerate base candidates early "
                                       "(default on; --no-detector keeps every candidate, signals still shown).")),
     "preset": (Optional[str], _opt("--preset", help="Rescue preset from configs/rescue_NAME.toml, e.g. paper.")),

@@ -34,16 +34,18 @@ the text one period earlier (:func:`periodic_tail`). A ``"cycle"`` abort comes w
   or more each equal the character one period earlier: a verbatim copy of earlier text (a cycle of
   any period that fits the step); or
 * with every run of digits read as one ``0`` (so ``x = 14,`` and ``x = 157,`` read alike), the text
-  ends in at least ``max_copies`` = 64 back-to-back copies of a unit of two characters or more (a count).
-  ``1 + 1 + ⋯ + 1`` with 60 terms is kept, 64 terms are not; a rule of 80 ``=`` signs has a
-  one-character unit and is never counted.
+  ends in at least ``max_copies`` = 64 back-to-back copies of a unit of two characters or more, or in
+  half as many (32) that cover at least 256 characters: a count, short units (``1, 2, 3, …``) or
+  lines (``a_{41} = 41``). ``1 + 1 + ⋯ + 1`` with 60 terms is kept (59 copies of `` + 1`` cover 236
+  characters), 65 terms are not; a list of 30 equations of one shape is kept, 32 such lines are not;
+  a rule of 80 ``=`` signs has a one-character unit and is never counted.
 
 Digits are masked for the count only: a derivation that substitutes one expression again and again
 repeats itself more once its numbers are masked (up to 226 characters in the shipped MATH500/GSM8K
-solutions, 151 as written), so the repeat rule reads the text as written. Calibration: none of the
-7097 real steps nor of the short repetitive ones is aborted. What is left uncaught: counts of fewer
-than 64 lines within one step (``a_{41} = 41``, 40 lines of ``n * 2 = 2n``): by then they read
-exactly like a legitimate 30-line list of equations, so the step limit ends them instead.
+solutions, 151 as written), so the repeat rule reads the text as written. Calibration
+(``benchmarks/detector_calibration.py``): none of the 7097 real steps nor of the 62 short repetitive
+legitimate ones is aborted; 399 of the 400 synthetic loops are (the one missed: a cycle too long to
+repeat 256 characters within the step).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class DetectorConfig:
         min_gzip_ratio: τ_cmp, abort when the gzip ratio of the window falls below it (compressed/raw bytes).
         gzip_window: characters in the compression window (characters).
         repeat_chars: periodic tail that aborts once the text fills the gzip window (characters; 0: off).
-        max_copies: back-to-back copies of one unit of ≥ 2 characters (digits masked) that abort (0: off).
+        max_copies: back-to-back copies of one unit of ≥ 2 characters (digits masked) that abort; half
+            as many abort when they cover 256 characters (0: off).
     """
 
     max_entropy: float = 7.0
@@ -144,6 +147,7 @@ def shortest_gzip_abort(config: DetectorConfig, bytes_per_char: int = 1) -> int:
 
 
 _DIGITS = re.compile(r"[0-9]+")
+COUNT_CHARS = 256  # half the copies suffice when they cover this many characters (digits masked)
 _PERIOD_PROBE = 64  # characters of the tail searched for earlier in the text (finds the period)
 
 
@@ -260,7 +264,8 @@ class DegenerationDetector:
             repeated, period = periodic_tail(self._masked)
             s.copies = repeated // period + 1 if period >= 2 else 0
             cyclic = ((c.repeat_chars and len(self._all) >= c.gzip_window and s.repeat_chars >= c.repeat_chars)
-                      or (c.max_copies and s.copies >= c.max_copies))
+                      or (c.max_copies and (s.copies >= c.max_copies or (
+                          2 * s.copies >= c.max_copies and repeated >= COUNT_CHARS))))
         if s.abort is None:
             if s.tokens >= c.entropy_guard and s.mean_entropy > c.max_entropy:
                 s.abort = "entropy"
