@@ -37,7 +37,8 @@ Two ways to run a step, same committed steps and transcript for the same seed (`
   of a batched forward may differ from a single one in the last float bits, so the recorded
   entropies and scores agree with the sequential run to rounding, tokens and texts exactly (barring
   a uniform draw landing within that rounding of a probability boundary).
-  Scoring stays one candidate at a time (the scorer's own forward per candidate).
+  A scorer with ``score_batch`` (the helper-likelihood fallback) scores all survivors of the step
+  in one batched forward; one without it (the PRM) scores them one at a time.
 """
 
 from __future__ import annotations
@@ -219,12 +220,17 @@ class RescueLoop:
                 for engine, first, n in ((self.base, 0, nb), (self.helper, nb, nh)):
                     if n:
                         sampled += self._sample_batch(step, range(first, first + n), engine, n_tokens)
+            scores: dict[int, float] = {}
+            batch_score = getattr(self.scorer, "score_batch", None)
+            if sampled and batch_score is not None:
+                alive = [c for c in sampled if c is not None]
+                scores = dict(zip((c.index for c in alive), batch_score(ctx, alive) if alive else []))
             for index, engine in enumerate(plan):
                 cand = sampled[index] if sampled else self._sample(step, index, engine, n_tokens)
                 if cand is None:
                     continue
                 survivors += 1
-                score = self.scorer.score(ctx, cand)
+                score = scores[index] if index in scores else self.scorer.score(ctx, cand)
                 cand.score = -math.inf if math.isnan(score) else float(score)
                 self.events.emit(CandidateScored(step, index, cand.source, cand.score, self.scorer.name))
                 if best is None or cand.score > best.score:  # ties keep the earlier candidate
