@@ -60,6 +60,17 @@ class Sampler:
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
 
+    def substream(self, *key: int) -> "Sampler":
+        """A sampler with the same settings and its own stream, seeded by (seed, *key) (non-negative ints).
+
+        Independent of how much of this sampler's stream was used, so one sequence's draws do not
+        depend on whether another was sampled before it or beside it in a batch (KV-Rescue keys each
+        candidate by (step, index)).
+        """
+        child = Sampler(self.params)
+        child.rng = np.random.default_rng([self.params.seed % (1 << 64), *key])
+        return child
+
     def uniform(self) -> float:
         """The next uniform in [0, 1) of this sampler's stream (one per sampled token)."""
         return float(self.rng.random())

@@ -59,6 +59,10 @@ class CountingTorch(TorchBackend):
         self.decodes += 1
         return super().decode(seq, token)
 
+    def decode_batch(self, seqs, tokens, on_device=False):
+        self.decodes += len(seqs)   # one token decoded per sequence, as many single decodes would
+        return super().decode_batch(seqs, tokens, on_device)
+
 
 def rkv_cache(backend):
     """R-KV with a small budget and buffer so a short run evicts (same policy class as --policy rkv)."""

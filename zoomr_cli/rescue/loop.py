@@ -16,9 +16,29 @@ The loop ends at an EOS step, after ``max_steps`` steps (1024) or at the context
 committed trajectory). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
 baseline (no helper candidate, no early exit) with the same machinery.
 
-Memory: candidates run one after another and are scored as they finish, so at most three
-sequences per model are alive at once (the committed state, the best candidate so far, the one
-being sampled) plus one scoring fork of the helper, whatever N_b and N_h are.
+Sampling: every candidate draws from its own stream, seeded by (seed, step, index)
+(:meth:`zoomr.backends.sampling.Sampler.substream`), so a candidate's tokens do not depend on which
+candidates ran before it or beside it.
+
+Two ways to run a step, same committed steps and transcript for the same seed (``batched``):
+
+* sequential (``batched=False``): candidates run one after another and are scored as they finish,
+  so at most three sequences per model are alive at once (the committed state, the best candidate
+  so far, the one being sampled) plus one scoring fork of the helper, whatever N_b and N_h are.
+  Events come candidate by candidate: started, tokens, finished or aborted, scored.
+* batched (default): the N_b base candidates advance as one batch (one ``decode_batch`` forward per
+  token on the base), then the N_h helper candidates as one batch on the helper
+  (:func:`zoomr.backends.generation.generate_batch`); an aborted candidate leaves its batch at once.
+  All N_b (then N_h) forks are alive together. Events of one model's batch interleave: every
+  ``candidate_started`` of the batch first, then tokens in forward order (per forward, candidates
+  in index order), an abort at the token that triggered it; ``candidate_finished`` of the survivors
+  follow the batch in index order, and ``candidate_scored`` after both batches, in index order. The
+  entropy per token is computed on the device (:func:`zoomr.backends.sampling.row_entropy`); logits
+  of a batched forward may differ from a single one in the last float bits, so the recorded
+  entropies and scores agree with the sequential run to rounding, tokens and texts exactly (barring
+  a uniform draw landing within that rounding of a probability boundary).
+  A scorer with ``score_batch`` (the helper-likelihood fallback) scores all survivors of the step
+  in one batched forward; one without it (the PRM) scores them one at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +48,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from zoomr.backends.generation import GenerationStats, generate
+from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler
 
 from zoomr.rescue.degeneration import DegenerationDetector, DetectorConfig
@@ -63,6 +83,8 @@ class RescueConfig:
         detector: degeneration thresholds (base candidates only).
         early_exit: abort base candidates the detector flags (the paper's "early exit"); False keeps
             every candidate (the detector's signals are still computed and reported).
+        batched: sample each model's candidates of a step as one batch (see the module docstring);
+            False runs them one after another (fewest sequences alive).
     """
 
     nb: int = 2
@@ -73,6 +95,7 @@ class RescueConfig:
     step_end: str = "\n\n"
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     early_exit: bool = True
+    batched: bool = True
 
     def validate(self) -> "RescueConfig":
         """Return self.
@@ -113,7 +136,8 @@ class RescueLoop:
         base: the evicted model's engine; helper: the full-KV model's engine (always present: it
             follows the trajectory and may score even when ``nh`` is 0).
         scorer: see :mod:`zoomr.rescue.scorers`.
-        sampler: draws every candidate's tokens (one seeded stream: runs are reproducible).
+        sampler: its settings and seed draw every candidate's tokens, each candidate from its own stream
+            (:meth:`Sampler.substream` keyed by step and index: runs are reproducible).
         config: validated here.
         events: where events go (subscribe the views and the transcript first).
         stop_requested: polled before every sampled token; True ends the run like Ctrl-C (the CLI sets it
@@ -186,27 +210,88 @@ class RescueLoop:
     def _step(self, step: int, n_tokens: int) -> tuple[Candidate | None, int]:
         """Sample, check and score every candidate of ``step``; keep only the best one's fork alive."""
         ctx = StepContext(self.question, [s.text for s in self.steps], self.helper)
-        plan = [self.base] * self.config.nb + [self.helper] * self.config.nh
+        nb, nh = self.config.nb, self.config.nh
+        plan = [self.base] * nb + [self.helper] * nh
         best: Candidate | None = None
         survivors = 0
+        sampled: list[Candidate | None] = []   # batched: every candidate, sampled before any is scored
         try:
+            if self.config.batched:
+                for engine, first, n in ((self.base, 0, nb), (self.helper, nb, nh)):
+                    if n:
+                        sampled += self._sample_batch(step, range(first, first + n), engine, n_tokens)
+            scores: dict[int, float] = {}
+            batch_score = getattr(self.scorer, "score_batch", None)
+            if sampled and batch_score is not None:
+                alive = [c for c in sampled if c is not None]
+                scores = dict(zip((c.index for c in alive), batch_score(ctx, alive) if alive else []))
             for index, engine in enumerate(plan):
-                cand = self._sample(step, index, engine, n_tokens)
+                cand = sampled[index] if sampled else self._sample(step, index, engine, n_tokens)
                 if cand is None:
                     continue
                 survivors += 1
-                score = self.scorer.score(ctx, cand)
+                score = scores[index] if index in scores else self.scorer.score(ctx, cand)
                 cand.score = -math.inf if math.isnan(score) else float(score)
                 self.events.emit(CandidateScored(step, index, cand.source, cand.score, self.scorer.name))
                 if best is None or cand.score > best.score:  # ties keep the earlier candidate
                     cand, best = best, cand
                 if cand is not None:  # whichever lost: its fork is no longer needed
-                    cand.engine.release(cand.seq)
+                    _drop(cand)
         except BaseException:
-            if best is not None:
-                best.engine.release(best.seq)
+            for cand in [best, *sampled]:
+                if cand is not None:
+                    _drop(cand)
             raise
         return best, survivors
+
+    def _sample_batch(self, step: int, indices: range, engine: Engine, n_tokens: int) -> list[Candidate | None]:
+        """Candidates ``indices`` of ``engine``, sampled together (one forward per token for all that
+        still run); None where the detector aborted one. Same events as :meth:`_sample` per candidate,
+        interleaved (see the module docstring)."""
+        src = engine.role
+        for index in indices:
+            self.events.emit(CandidateStarted(step, index, src))
+        seqs: list = []
+        try:
+            seqs = [engine.fork() for _ in indices]
+            detectors = [DegenerationDetector(self.config.detector) for _ in indices]
+            gens = [GenerationStats() for _ in indices]
+
+            def on_token(b: int, tok) -> bool:
+                if self.stop_requested():
+                    raise KeyboardInterrupt
+                engine.generated += 1
+                sig = detectors[b].observe(tok.text, tok.entropy)
+                kv = engine.backend.kv_stats(seqs[b])
+                self.events.emit(CandidateToken(step, indices[b], src, tok.token, tok.text, sig.tokens,
+                                                round(sig.entropy, 4), round(sig.mean_entropy, 4),
+                                                round(sig.gzip_ratio, 4), kv.active_tokens, kv.active_bytes,
+                                                kv.full_tokens, kv.full_bytes))
+                if sig.abort and src == "base" and self.config.early_exit:
+                    self.events.emit(CandidateAborted(step, indices[b], src, sig.abort, sig.tokens, sig.as_dict(),
+                                                      gens[b].text))
+                    engine.release(seqs[b])
+                    seqs[b] = None
+                    return True
+                return False
+
+            generate_batch(engine.backend, list(seqs), [self.sampler.substream(step, i) for i in indices],
+                           n_tokens, gens, engine.next_logits, stop=(self.config.step_end,), entropy=True,
+                           on_token=on_token)
+        except BaseException:
+            for seq in seqs:
+                engine.release(seq)
+            raise
+        out: list[Candidate | None] = []
+        for b, index in enumerate(indices):
+            gen = gens[b]
+            if seqs[b] is None:
+                out.append(None)
+                continue
+            self.events.emit(CandidateFinished(step, index, src, gen.stop_reason, gen.generated_tokens, gen.text))
+            out.append(Candidate(step, index, src, engine, seqs[b], list(gen.token_ids), gen.text, gen.stop_reason,
+                                 gen.next_logits))
+        return out
 
     def _sample(self, step: int, index: int, engine: Engine, n_tokens: int) -> Candidate | None:
         """One candidate from a fork of ``engine``'s committed state; None when the detector aborted it.
@@ -220,7 +305,7 @@ class RescueLoop:
         gen = GenerationStats()
         seq = engine.fork()
         try:
-            for tok in generate(engine.backend, seq, [], self.sampler, n_tokens, gen, stop=(self.config.step_end,),
+            for tok in generate(engine.backend, seq, [], self.sampler.substream(step, index), n_tokens, gen, stop=(self.config.step_end,),
                                 logits=engine.next_logits):
                 if self.stop_requested():
                     raise KeyboardInterrupt
@@ -255,3 +340,9 @@ class RescueLoop:
                                        {winner.role: 0, other.role: prefilled}, best.final))
         for engine in (self.base, self.helper):
             self.events.emit(KVSnapshot(best.step, engine.role, engine.backend.kv_stats(engine.seq).as_dict()))
+
+
+def _drop(cand: Candidate) -> None:
+    """Free a candidate's fork once (its ``seq`` becomes None)."""
+    cand.engine.release(cand.seq)
+    cand.seq = None

@@ -55,7 +55,9 @@ class Scorer(Protocol):
     kv_peak_bytes: int
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
-        """The candidate's score (higher is better)."""
+        """The candidate's score (higher is better). A scorer may also offer
+        ``score_batch(ctx, cands) -> list[float]`` (same values, one batched forward); the batched loop
+        uses it when present."""
         ...
 
     def label(self, helper_model: str) -> str:
@@ -93,19 +95,35 @@ class HelperLikelihoodScorer:
         pass
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
+        return self.score_batch(ctx, [cand])[0]
+
+    def score_batch(self, ctx: StepContext, cands: list[Candidate]) -> list[float]:
+        """:meth:`score` of each candidate; the non-empty ones prefilled together in one
+        ``prefill_batch`` forward over forks of the helper (one fork per candidate, freed after)."""
         helper = ctx.helper
-        ids = helper.ids_of(cand)
-        if not ids:
-            lp = _log_softmax(helper.next_logits)
-            return float(max(lp[e] for e in helper.tokenizer.eos_ids if e < lp.shape[-1]))
-        seq = helper.fork()
+        ids = [helper.ids_of(c) for c in cands]
+        out = [0.0] * len(cands)
+        rows = [i for i, t in enumerate(ids) if t]
+        for i, t in enumerate(ids):
+            if not t:
+                lp = _log_softmax(helper.next_logits)
+                out[i] = float(max(lp[e] for e in helper.tokenizer.eos_ids if e < lp.shape[-1]))
+        if not rows:
+            return out
+        seqs = []
         try:
-            logits = helper.backend.prefill(seq, ids, all_logits=True)      # [T, vocab]
+            seqs = [helper.fork() for _ in rows]
+            if len(rows) == 1:
+                logits = [helper.backend.prefill(seqs[0], ids[rows[0]], all_logits=True)]   # [T, vocab]
+            else:
+                logits = helper.backend.prefill_batch(seqs, [ids[i] for i in rows], all_logits=True)
         finally:
-            helper.release(seq)
-        before = np.concatenate([helper.next_logits[None], logits[:-1]])  # logits each token was drawn from
-        lp = _log_softmax(before)[np.arange(len(ids)), ids]
-        return float(lp.mean())
+            for seq in seqs:
+                helper.release(seq)
+        for i, lg in zip(rows, logits):
+            before = np.concatenate([helper.next_logits[None], lg[:-1]])  # logits each token was drawn from
+            out[i] = float(_log_softmax(before)[np.arange(len(ids[i])), ids[i]].mean())
+        return out
 
 
 class PRMScorer:

@@ -1,0 +1,113 @@
+"""KV-Rescue per committed step: batched candidates vs one after another, same seed, one process, one run.
+
+The base is the embedded model under R-KV (budget ``--budget``), the helper the same model with full KV,
+the scorer the helper-likelihood fallback. Both modes run the same question with the same seed and
+settings (``RescueConfig(batched=...)``), in the order given by ``--order`` (default sequential first);
+the committed steps are compared (they should be identical, see :mod:`zoomr.rescue.loop`). Reported per
+mode: wall seconds, committed steps, seconds per committed step, candidate tokens sampled and candidate
+tok/s; then the sequential/batched ratio of seconds per step.
+
+The issue's target: N_b = N_h = 4, 5 steps of ≤ 64 tokens, batched ≥ 2.5× faster per committed step.
+On a shared machine the absolute numbers move with the load (the load average is recorded).
+
+    python benchmarks/rescue_batch.py [-t 2] [--nb 4] [--nh 4] [--steps 5] [--step-tokens 64] [--seed 0]
+        [--budget 64] [--dtype fp32] [--order sequential batched] [--json out.json|-]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+            "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
+            "egg. How much in dollars does she make every day at the farmers' market?")
+
+
+def run_mode(base, helper, batched: bool, args) -> dict:
+    from zoomr.backends.sampling import Sampler, SamplingParams
+    from zoomr.prompts import solve_prompt
+    from zoomr.rescue.engine import Engine
+    from zoomr.rescue.events import EventStream
+    from zoomr.rescue.loop import RescueConfig, RescueLoop
+    from zoomr.rescue.scorers import HelperLikelihoodScorer
+    from zoomr.rescue.transcript import Transcript
+
+    events, tr = EventStream(), Transcript()
+    events.subscribe(tr)
+    config = RescueConfig(args.nb, args.nh, args.step_tokens, args.steps, 4096, batched=batched)
+    loop = RescueLoop(Engine("base", base), Engine("helper", helper), HelperLikelihoodScorer(),
+                      Sampler(SamplingParams(0.8, 20, 0.95, args.seed)), config, events)
+    ids = solve_prompt(base.tokenizer, QUESTION)
+    t0 = time.perf_counter()
+    try:
+        reason = loop.run(QUESTION, ids, ids)
+    finally:
+        loop.close()
+    wall = time.perf_counter() - t0
+    s = tr.summary()
+    steps = len(s["steps"])
+    cand_tokens = s["base_tokens"] + s["helper_tokens"]
+    return {"mode": "batched" if batched else "sequential", "seconds": round(wall, 3), "steps": steps,
+            "s_per_step": round(wall / max(steps, 1), 3), "candidate_tokens": cand_tokens,
+            "candidate_tok_s": round(cand_tokens / wall, 2), "aborted": s["aborted"], "stop_reason": reason,
+            "committed": [st["text"] for st in s["steps"]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
+    ap.add_argument("--nb", type=int, default=4)
+    ap.add_argument("--nh", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="most committed steps")
+    ap.add_argument("--step-tokens", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=64, help="the base's R-KV budget (tokens)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--order", nargs="+", default=["sequential", "batched"], choices=["sequential", "batched"])
+    ap.add_argument("--json", default=None, help="write the record here ('-': stdout)")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend
+    from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+
+    source = resolve_model(args.model)
+    helper = TorchBackend(source, device=args.device, dtype=args.dtype, n_ctx=4096, threads=args.threads)
+    base = helper.with_cache_factory(PolicyCacheFactory(PolicySpec("rkv", args.budget)))
+    load0 = os.getloadavg()
+    rows = []
+    for mode in args.order:
+        rows.append(run_mode(base, helper, mode == "batched", args))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "committed"}), file=sys.stderr, flush=True)
+    by = {r["mode"]: r for r in rows}
+    record = {"model": source.name, "dtype": args.dtype, "threads": args.threads, "cpus": os.cpu_count(),
+              "nb": args.nb, "nh": args.nh, "max_steps": args.steps, "step_tokens": args.step_tokens,
+              "budget": args.budget, "seed": args.seed, "load_avg_start": load0, "load_avg_end": os.getloadavg(),
+              "rows": rows}
+    if len(by) == 2:
+        record["speedup_per_step"] = round(by["sequential"]["s_per_step"] / by["batched"]["s_per_step"], 3)
+        record["same_commits"] = by["sequential"]["committed"] == by["batched"]["committed"]
+    print(f"{'mode':10} {'steps':>5} {'s/step':>8} {'cand tok':>8} {'tok/s':>7}", file=sys.stderr)
+    for r in rows:
+        print(f"{r['mode']:10} {r['steps']:>5} {r['s_per_step']:8.2f} {r['candidate_tokens']:>8} "
+              f"{r['candidate_tok_s']:7.1f}", file=sys.stderr)
+    if "speedup_per_step" in record:
+        print(f"batched speed-up per committed step: {record['speedup_per_step']}× "
+              f"(same commits: {record['same_commits']})", file=sys.stderr)
+    if args.json:
+        text = json.dumps(record, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
