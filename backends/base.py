@@ -20,6 +20,22 @@ import numpy as np
 from zoomr.kvstore.stats import KVMeter, KVStats  # noqa: F401
 
 
+def check_batch(seqs: list, ids_list: list[list[int]]) -> None:
+    """The shape rules every backend's batched prefill/decode share: B ≥ 1 distinct sequences, one id list
+    each (per-sequence checks, ids and context, are the backend's).
+
+    Raises:
+        ValueError: one line: an empty batch, counts that differ, a sequence twice.
+    """
+    if not seqs:
+        raise ValueError("a batch needs at least one sequence")
+    if len(seqs) != len(ids_list):
+        raise ValueError(f"a batch needs one id list per sequence, got {len(seqs)} sequences and "
+                         f"{len(ids_list)} id lists")
+    if len({id(s) for s in seqs}) != len(seqs):
+        raise ValueError("a sequence appears twice in one batch")
+
+
 class BackendError(RuntimeError):
     """A model runtime failed on well-formed input (for example llama.cpp found no KV slot)."""
 

@@ -24,6 +24,7 @@ import sys
 import time
 
 import numpy as np
+from _report import write_json  # benchmarks/ is on sys.path when a script runs
 
 
 def prompts(tokenizer, base: int, n: int) -> list[list[int]]:
@@ -154,13 +155,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['engine']:9} {r['dtype']:5} {r['policy']:7} {r['attention']:9} {r['batch']:>3} "
               f"{r['decode_tok_s']:8.1f} {r['vs_batch1']:6.2f}", file=sys.stderr)
-    if args.json:
-        text = json.dumps(record, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    write_json(record, args.json)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from _report import write_json  # benchmarks/ is on sys.path when a script runs
+
 QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
             "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
             "egg. How much in dollars does she make every day at the farmers' market?")
@@ -100,13 +102,7 @@ def main() -> None:
     if "speedup_per_step" in record:
         print(f"batched speed-up per committed step: {record['speedup_per_step']}× "
               f"(same commits: {record['same_commits']})", file=sys.stderr)
-    if args.json:
-        text = json.dumps(record, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+    write_json(record, args.json)
 
 
 if __name__ == "__main__":

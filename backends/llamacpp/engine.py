@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from zoomr.backends.base import BackendError, KVMeter, KVStats
+from zoomr.backends.base import BackendError, KVMeter, KVStats, check_batch
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import LlamaCppTokenizer
 from zoomr.kvstore.events import EventBus
@@ -375,13 +375,7 @@ class LlamaCppBackend:
             BackendError: llama_decode failed (no sequence advanced).
         """
         ids_list = [[int(t) for t in ids] for ids in ids_list]
-        if not seqs:
-            raise ValueError("a batch needs at least one sequence")
-        if len(seqs) != len(ids_list):
-            raise ValueError(f"a batch needs one id list per sequence, got {len(seqs)} sequences and "
-                             f"{len(ids_list)} id lists")
-        if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("a sequence appears twice in one batch")
+        check_batch(seqs, ids_list)
         for s, ids in zip(seqs, ids_list):
             self._check_live(s)
             self._check_ids(ids)

@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from zoomr.backends.base import KVStats
+from zoomr.backends.base import KVStats, check_batch
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
@@ -194,13 +194,7 @@ class TorchBackend:
         return self._forward(seq, [int(token)], False)
 
     def _check_batch(self, seqs: list[TorchSequence], ids_list: list[list[int]]) -> None:
-        if not seqs:
-            raise ValueError("a batch needs at least one sequence")
-        if len(seqs) != len(ids_list):
-            raise ValueError(f"a batch needs one id list per sequence, got {len(seqs)} sequences and "
-                             f"{len(ids_list)} id lists")
-        if len({id(s) for s in seqs}) != len(seqs):
-            raise ValueError("a sequence appears twice in one batch")
+        check_batch(seqs, ids_list)
         for i, (seq, ids) in enumerate(zip(seqs, ids_list)):
             if not ids:
                 raise ValueError(f"batch row {i}: cannot run a forward over zero tokens")
