@@ -1,7 +1,8 @@
-"""What every benchmark script does with its record: ``--json PATH`` writes it there, ``--json -`` to stdout."""
+"""What the benchmark scripts share: the model/engine flags, and ``--json PATH`` (``-``: stdout) for the record."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
@@ -15,3 +16,13 @@ def write_json(record: dict, dest: str | None) -> None:
     else:
         with open(dest, "w") as f:
             f.write(text + "\n")
+
+
+def engine_parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the flags every torch-vs-llama.cpp benchmark takes: -m, -t (default 2), --device, --dtype."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
+    return ap

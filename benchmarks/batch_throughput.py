@@ -17,14 +17,13 @@ run in one process; on a shared machine the absolute numbers move with the load 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
 import numpy as np
-from _report import write_json  # benchmarks/ is on sys.path when a script runs
+from _report import engine_parser, write_json  # benchmarks/ is on sys.path when a script runs
 
 
 def prompts(tokenizer, base: int, n: int) -> list[list[int]]:
@@ -127,11 +126,7 @@ def llamacpp_rows(args, source) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
+    ap = engine_parser(__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     ap.add_argument("--prompt-tokens", type=int, default=176,

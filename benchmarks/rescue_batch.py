@@ -16,13 +16,12 @@ On a shared machine the absolute numbers move with the load (the load average is
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-from _report import write_json  # benchmarks/ is on sys.path when a script runs
+from _report import engine_parser, write_json  # benchmarks/ is on sys.path when a script runs
 
 QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
             "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
@@ -60,11 +59,7 @@ def run_mode(base, helper, batched: bool, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
+    ap = engine_parser(__doc__.split("\n")[0])
     ap.add_argument("--nb", type=int, default=4)
     ap.add_argument("--nh", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5, help="most committed steps")

@@ -22,6 +22,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("ZOOMR_DATA", None)  # data set names resolve to the copies shipped in the package
 
 ROOT = Path(__file__).resolve().parents[1]
+# the GSM8K question the rescue tests run on
+JANET = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
+         "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
+         "egg. How much in dollars does she make every day at the farmers' market?")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread in this process for a module: on a shared 2-core machine two spinning threads run
+    several times slower (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
 
 
 @pytest.fixture(scope="session")

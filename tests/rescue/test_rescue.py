@@ -8,7 +8,6 @@ each forward is handed (it computes exactly as the shipped one), and llama.cpp's
 import io
 
 import pytest
-import torch
 from rich.console import Console
 
 from zoomr.backends.models import resolve_model
@@ -28,19 +27,11 @@ from zoomr.cli.rescue_view import LiveView
 from zoomr.rescue.scorers import HelperLikelihoodScorer
 from zoomr.prompts import solve_prompt
 
-QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
-            "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
-            "egg. How much in dollars does she make every day at the farmers' market?")
+from conftest import JANET as QUESTION
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 B, W = 16, 8  # R-KV budget and headroom buffer: the base holds at most B + W positions after a re-base
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: on a shared 2-core machine two spinning threads run several times slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 class CountingTorch(TorchBackend):

@@ -8,7 +8,6 @@ Event order differs by design (see :mod:`zoomr.rescue.loop`), so records are com
 from dataclasses import replace
 
 import pytest
-import torch
 
 from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler, SamplingParams
@@ -22,19 +21,11 @@ from zoomr.rescue.loop import RescueConfig, RescueLoop
 from zoomr.rescue.scorers import HelperLikelihoodScorer
 from zoomr.rescue.transcript import Transcript
 
-QUESTION = ("Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for her "
-            "friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh duck "
-            "egg. How much in dollars does she make every day at the farmers' market?")
+from conftest import JANET as QUESTION
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FLOAT_KEYS = {"entropy", "mean_entropy", "score", "min_gzip_ratio", "gzip_ratio"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: on a shared 2-core machine two spinning threads run several times slower."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
 
 
 def rkv_cache(backend):
