@@ -161,11 +161,11 @@ def build_context(kind: str, model, cfg, ctx: int, device) -> object:
         return torch.randint(0, cfg.vocab, (n,), generator=rng, device=device)
 
     if kind == "full-gpu":
-        cache = FullKVCache(L, Hkv, d, device, model.dtype)
+        cache = FullKVCache(L, Hkv, d, device, model.kv_dtype)
     elif kind == "full-offloaded":
-        cache = PolicyKVCache(FullPolicy(), L, H, Hkv, d, device, model.dtype, "stream")
+        cache = PolicyKVCache(FullPolicy(), L, H, Hkv, d, device, model.kv_dtype, "stream")
     else:
-        cache = PolicyKVCache(ZoomRPolicy(512, 2, 2, "model"), L, H, Hkv, d, device, model.dtype)
+        cache = PolicyKVCache(ZoomRPolicy(512, 2, 2, "model"), L, H, Hkv, d, device, model.kv_dtype)
     if kind != "zoomr":
         while cache.n_tokens < ctx:
             forward(model, cache, ids(min(2048, ctx - cache.n_tokens)), "x")

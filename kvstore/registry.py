@@ -291,7 +291,7 @@ class PolicyCacheFactory:
     def __call__(self, backend) -> PolicyKVCache:
         cfg = backend.cfg
         return PolicyKVCache(self.spec.build(), cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                             backend.device, backend.dtype, self.spec.offload, self.events)
+                             backend.device, backend.kv_dtype, self.spec.offload, self.events)
 
 
 def policy_table_markdown() -> str:

@@ -52,7 +52,8 @@ def _torch(opts: RunOptions) -> Backend:
     factory = torch_cache_factory(opts)
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
     return TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
-                        threads=opts.threads, cache_factory=factory, quant=opts.quant)
+                        threads=opts.threads, cache_factory=factory, quant=opts.quant,
+                        kv_dtype=opts.kv_dtype)
 
 
 def with_policy(backend: Backend, opts: RunOptions) -> Backend:
@@ -93,6 +94,7 @@ def build_backend(opts: RunOptions) -> Backend:
     opts.check_knobs()
     check_lengths(opts)
     check_quant_option(opts)
+    check_kv_dtype_option(opts)
     return BACKENDS[opts.backend](opts)
 
 
@@ -112,6 +114,22 @@ def check_quant_option(opts: RunOptions) -> None:
     if opts.quant != "auto" and opts.backend != "torch":
         raise UserError(f"--quant {opts.quant} applies to the torch backend (llama.cpp runs the file's own "
                         "quantization)")
+
+
+def check_kv_dtype_option(opts: RunOptions) -> None:
+    """``--kv-dtype`` names a dtype, and one other than ``auto`` only on the torch backend.
+
+    Raises:
+        UserError: an unknown name, or a dtype given with ``--backend llamacpp`` (whose KV type is its own).
+    """
+    from zoomr.backends.torch.engine import check_kv_dtype
+
+    try:
+        check_kv_dtype(opts.kv_dtype)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if opts.kv_dtype != "auto" and opts.backend != "torch":
+        raise UserError(f"--kv-dtype {opts.kv_dtype} applies to the torch backend")
 
 
 def check_lengths(opts: RunOptions) -> None:

@@ -31,6 +31,8 @@ class RunOptions:
     dtype: str = "auto"
     # torch: weight quantization (auto: a GGUF's own blocks, none for HF; none, int8, int4)
     quant: str = "auto"
+    # torch: KV cache / attention dtype (auto: fp32 on a CPU, the compute dtype on CUDA)
+    kv_dtype: str = "auto"
     temp: Optional[float] = None
     # KV-Rescue's (arXiv:2608.15797) top-k for every command: solve and bench run --rescue with it, and
     # bench records it; greedy runs (--temp 0) do not read it. llama.cpp's own default is 40.

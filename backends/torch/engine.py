@@ -15,7 +15,7 @@ from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
 
-from .model import Decoder
+from .model import Decoder, default_kv_dtype
 from .quant import check_quant
 from .weights import load_gguf, load_hf_dir
 
@@ -69,6 +69,31 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
     return DTYPES[spec]
 
 
+def pick_kv_dtype(spec: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype (``--kv-dtype``, llama.cpp's ``--cache-type-k/-v``): ``auto`` → the compute dtype on
+    CUDA, fp32 on a CPU (:func:`zoomr.backends.torch.model.default_kv_dtype` says why).
+
+    Args:
+        spec: ``auto``, ``fp32``, ``bf16``, ``fp16`` (or the long names); device, dtype: where and in what the
+            linears compute.
+    Raises:
+        ValueError: an unknown name (naming ``--kv-dtype`` and every choice).
+    """
+    check_kv_dtype(spec)
+    return default_kv_dtype(device, dtype) if spec == "auto" else DTYPES[spec]
+
+
+def check_kv_dtype(spec: str) -> str:
+    """``spec`` itself when it names a ``--kv-dtype``.
+
+    Raises:
+        ValueError: an unknown name (naming ``--kv-dtype`` and every choice).
+    """
+    if spec != "auto" and spec not in DTYPES:
+        raise ValueError(f"--kv-dtype {spec!r} unknown (choose from auto, {', '.join(DTYPES)})")
+    return spec
+
+
 def resolve_quant(quant: str, kind: str, dtype: str) -> str:
     """The ``--quant`` mode a model runs: ``auto`` keeps a GGUF's blocks quantized in a half compute dtype and
     is ``none`` for HF directories and at ``--dtype fp32`` (the exact-check dtype: the int kernels' fp32 paths
@@ -98,7 +123,7 @@ CacheFactory = Callable[["TorchBackend"], KVCache]
 
 def _full_cache(backend: "TorchBackend") -> KVCache:
     return FullKVCache(backend.cfg.n_layers, backend.cfg.n_kv_heads, backend.cfg.head_dim, backend.device,
-                       backend.dtype)
+                       backend.kv_dtype)
 
 
 class TorchBackend:
@@ -114,6 +139,7 @@ class TorchBackend:
         n_ctx: most positions a sequence may hold (tokens), ``-c``.
         threads: CPU threads for torch (``-t``); None keeps torch's default.
         cache_factory: builds the KV cache of each new sequence; default full KV on the device.
+        kv_dtype: "auto" (see :func:`pick_kv_dtype`), "fp32", "bf16", "fp16": the KV cache's and attention's dtype.
     Raises:
         backends.torch.weights.ModelLoadError: unreadable weights.
         ValueError: bad device/dtype/quant, n_ctx < 1, tokenizer/model vocabulary mismatch.
@@ -122,7 +148,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto", n_ctx: int = 4096,
-                 threads: int | None = None, cache_factory: CacheFactory | None = None, quant: str = "auto"):
+                 threads: int | None = None, cache_factory: CacheFactory | None = None, quant: str = "auto",
+                 kv_dtype: str = "auto"):
         if n_ctx < 1:
             raise ValueError(f"-c must be >= 1, got {n_ctx}")
         check_quant(quant)
@@ -142,7 +169,9 @@ class TorchBackend:
         if self.tokenizer.vocab_size > cfg.vocab:
             raise ValueError(f"{source.path}: tokenizer has {self.tokenizer.vocab_size} ids, model {cfg.vocab}")
         self.cfg = cfg
-        self.model = Decoder(cfg, tensors, self.device, self.dtype, quant=self.quant)
+        self.model = Decoder(cfg, tensors, self.device, self.dtype, quant=self.quant,
+                             kv_dtype=pick_kv_dtype(kv_dtype, self.device, self.dtype))
+        self.kv_dtype = self.model.kv_dtype
         del tensors
         self.n_ctx = n_ctx
         self.cache_factory = cache_factory or _full_cache
@@ -162,7 +191,8 @@ class TorchBackend:
 
     def describe_model(self) -> str:
         """:meth:`describe` without the policy, for a caller that runs several policies on these weights."""
-        return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}"
+        kv = "" if self.kv_dtype == self.dtype else f" · KV {str(self.kv_dtype).replace('torch.', '')}"
+        return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}{kv}"
                 f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers")
 
     def new_sequence(self) -> TorchSequence:

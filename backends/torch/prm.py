@@ -104,7 +104,7 @@ class ProcessRewardModel:
         self._prefix_cache: FullKVCache | None = None
         # for memory accounting (KV-Rescue counts the PRM's KV): bytes per position, and the length of
         # the conversation the last :meth:`last_step_reward` scored (tokens)
-        self.kv_token_bytes = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.device, self.dtype,
+        self.kv_token_bytes = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.device, self.model.kv_dtype,
                                           capacity=1).token_bytes()
         self.last_scored_tokens = 0
 
@@ -136,7 +136,7 @@ class ProcessRewardModel:
 
     def _new_cache(self) -> FullKVCache:
         c = self.cfg
-        return FullKVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, self.dtype)
+        return FullKVCache(c.n_layers, c.n_kv_heads, c.head_dim, self.device, self.model.kv_dtype)
 
     def _hidden(self, ids: list[int], cache: FullKVCache, all_positions: bool) -> torch.Tensor:
         start = cache.n_tokens

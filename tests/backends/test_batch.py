@@ -41,7 +41,7 @@ def backend_for(torch_backend, policy: str):
 
     def factory(backend):
         return PolicyKVCache(SMALL[policy](), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, backend.device,
-                             backend.dtype)
+                             backend.kv_dtype)
 
     return torch_backend.with_cache_factory(factory)
 

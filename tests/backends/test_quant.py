@@ -165,9 +165,10 @@ def test_quantized_decoder_close_to_dense(embedded_path):
 
 def test_bad_quant_is_one_line_exit_2():
     assert_one_line_error(zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int3"))
-    r = zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int4", "--backend", "llamacpp")
-    assert_one_line_error(r)
-    assert "torch backend" in r.stderr
+    for flag, value in (("--quant", "int4"), ("--kv-dtype", "bf16")):
+        r = zoomr("solve", "-p", "hi", "-n", "2", flag, value, "--backend", "llamacpp")
+        assert_one_line_error(r)
+        assert "torch backend" in r.stderr
 
 
 def test_int4_at_load_quantizes_float_body_and_gives_the_head_int8(gguf_weights):
@@ -178,3 +179,32 @@ def test_int4_at_load_quantizes_float_body_and_gives_the_head_int8(gguf_weights)
     dec = Decoder(cfg, floats, CPU, torch.bfloat16, quant="int4")
     assert dec.weight_summary() == "int4 (from float), head int8 (from float)"
     assert isinstance(dec.embed, torch.Tensor)  # the lookup table stays dense
+
+
+def test_kv_dtype_auto_is_fp32_on_cpu_and_the_compute_dtype_on_cuda():
+    """Half-precision attention is the slow part of a CPU decode step: auto keeps the KV cache in fp32 there."""
+    from zoomr.backends.torch.engine import pick_kv_dtype
+
+    assert pick_kv_dtype("auto", CPU, torch.bfloat16) is torch.float32
+    assert pick_kv_dtype("auto", torch.device("cuda"), torch.bfloat16) is torch.bfloat16
+    assert pick_kv_dtype("fp16", CPU, torch.bfloat16) is torch.float16
+    with pytest.raises(ValueError, match="--kv-dtype 'int8' unknown"):
+        pick_kv_dtype("int8", CPU, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype,expect", [("auto", torch.float32), ("bf16", torch.bfloat16)])
+def test_kv_cache_holds_the_kv_dtype(kv_dtype, expect):
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend
+    from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+
+    be = TorchBackend(resolve_model(None), device="cpu", dtype="bf16", n_ctx=64, kv_dtype=kv_dtype)
+    assert be.kv_dtype is expect and be.model.rope.cos.dtype is expect
+    rkv = be.with_cache_factory(PolicyCacheFactory(PolicySpec("rkv", 16)))
+    for backend in (be, rkv):
+        seq = backend.new_sequence()
+        logits = backend.prefill(seq, [1, 2, 3, 4])
+        assert np.isfinite(logits).all()
+        assert {t.dtype for _, t in seq.cache.storages()} == {expect}
+        # 4 positions × K and V × 30 layers × 3 KV heads × 64 dims
+        assert backend.kv_stats(seq).full_bytes == 4 * 2 * 30 * 3 * 64 * expect.itemsize

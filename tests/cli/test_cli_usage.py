@@ -79,6 +79,7 @@ def test_bare_zoomr_still_shows_help():
     ("--dtype", "fp8", "(choose from auto, fp32, float32, bf16, bfloat16, fp16, float16)"),
     ("--device", "tpu", "(choose from auto, cpu, cuda, cuda:N)"),
     ("--device", "meta", "(choose from auto, cpu, cuda, cuda:N)"),
+    ("--kv-dtype", "int8", "(choose from auto, fp32, float32, bf16, bfloat16, fp16, float16)"),
 ])
 def test_bad_dtype_or_device_names_the_flag_and_every_choice(flag, value, choices):
     r = zoomr("solve", "examples/problem.txt", flag, value, "--no-live")

@@ -59,7 +59,7 @@ def rkv_cache(backend):
     """R-KV with a small budget and buffer so a short run evicts (same policy class as --policy rkv)."""
     c = backend.cfg
     return PolicyKVCache(RKVPolicy(B, buffer=W), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
-                         backend.device, backend.dtype)
+                         backend.device, backend.kv_dtype)
 
 
 def resident(backend: TorchBackend, seq) -> int:

@@ -31,7 +31,7 @@ FLOAT_KEYS = {"entropy", "mean_entropy", "score", "min_gzip_ratio", "gzip_ratio"
 def rkv_cache(backend):
     c = backend.cfg
     return PolicyKVCache(RKVPolicy(16, buffer=8), c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim,
-                         backend.device, backend.dtype)
+                         backend.device, backend.kv_dtype)
 
 
 def solve(torch_backend, batched: bool, config: RescueConfig, seed: int = 0) -> tuple[str, Transcript]:

@@ -47,6 +47,9 @@ _OPTION_DECLS = {
     "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept as int4, "
                                 "exact; none for HF models and --dtype fp32), none, int8, int4 (quantized at load).",
                                 rich_help_panel=PANEL_MODEL)),
+    "kv_dtype": (str, typer.Option("--kv-dtype", help="torch KV cache and attention dtype: auto (fp32 on a CPU, "
+                                   "where half-precision attention runs slower; the compute dtype on CUDA), fp32, "
+                                   "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
     "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
     "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),
