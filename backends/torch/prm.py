@@ -170,15 +170,50 @@ class ProcessRewardModel:
         """
         if not steps:
             raise ValueError("last_step_reward needs at least one step")
-        prefix = self.conversation(question, steps[:-1]).encode()
-        full = self.conversation(question, steps).encode()
-        self.last_scored_tokens = len(full)
-        if full[:len(prefix)] != prefix:  # the tokenizer merged across the boundary: no reuse possible
-            return self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()
-        if prefix != self._prefix_ids:
-            self._prefix_cache = self._new_cache()
-            if prefix:
-                self._hidden(prefix, self._prefix_cache, False)
-            self._prefix_ids = prefix
-        cache = self._prefix_cache.fork()
-        return self.rewards_from_hidden(self._hidden(full[len(prefix):], cache, False)).item()
+        return self.last_step_rewards(question, steps[:-1], [steps[-1]])[0]
+
+    def last_step_rewards(self, question: str, committed: list[str], candidates: list[str]) -> list[float]:
+        """Reward of each candidate step after the question and the ``committed`` steps, all candidates in
+        one batched forward (KV-Rescue scores a step's surviving candidates together).
+
+        The committed prefix is run once and kept between calls (see :meth:`last_step_reward`); each
+        candidate's own tokens (ragged lengths) continue a fork of it, and the B suffixes share one
+        :meth:`~zoomr.backends.torch.model.Decoder.forward_batch`. A candidate whose tokens merge with the
+        prefix's last token (the tokenizer joined across the boundary) is run whole, alone. Sets
+        :attr:`last_scored_tokens` to the longest candidate's conversation (tokens).
+
+        Args:
+            question: the problem text; committed: steps already committed; candidates: B ≥ 1 step texts.
+        Returns:
+            B rewards, P(correct) in [0, 1], in candidate order.
+        Raises:
+            ValueError: no candidates.
+        """
+        if not candidates:
+            raise ValueError("last_step_rewards needs at least one candidate")
+        prefix = self.conversation(question, committed).encode()
+        fulls = [self.conversation(question, committed + [c]).encode() for c in candidates]
+        self.last_scored_tokens = max(len(f) for f in fulls)
+        out: list[float | None] = [None] * len(fulls)
+        rows = []
+        for i, full in enumerate(fulls):
+            if full[:len(prefix)] != prefix or len(full) == len(prefix):  # no reuse possible
+                out[i] = self.rewards_from_hidden(self._hidden(full, self._new_cache(), False)).item()
+            else:
+                rows.append(i)
+        if rows:
+            if prefix != self._prefix_ids:
+                self._prefix_cache = self._new_cache()
+                if prefix:
+                    self._hidden(prefix, self._prefix_cache, False)
+                self._prefix_ids = prefix
+            suffixes = [fulls[i][len(prefix):] for i in rows]
+            caches = [self._prefix_cache.fork() for _ in rows]
+            flat = [t for ids in suffixes for t in ids]
+            pos = [p for ids in suffixes for p in range(len(prefix), len(prefix) + len(ids))]
+            hidden = self.model.forward_batch(torch.tensor(flat, dtype=torch.long, device=self.device),
+                                              torch.tensor(pos, dtype=torch.long, device=self.device),
+                                              [len(ids) for ids in suffixes], caches, return_hidden=True)
+            for i, r in zip(rows, self.rewards_from_hidden(hidden).tolist()):
+                out[i] = r
+        return out

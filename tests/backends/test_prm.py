@@ -124,6 +124,21 @@ def test_last_step_reward_reuses_the_prefix_and_agrees_with_a_full_forward(prm, 
         reference_rewards(body, head, first, prm.tag_id)[-1], abs=1e-5)
 
 
+def test_candidates_scored_in_one_batch_match_the_float64_reference(prm, tiny_prm):
+    """Ragged candidates of one step, one batched forward over forks of the shared prefix."""
+    _, body, head = tiny_prm
+    cands = ["So 16 - 7 = 9 eggs are left.", "So 23.", "We subtract: 16 - 3 - 4 = 9, so 9 eggs remain each day."]
+    got = prm.last_step_rewards(QUESTION, STEPS[:1], cands)
+    for cand, r in zip(cands, got):
+        ids = prm.tokenizer.encode(prm.conversation_text(QUESTION, STEPS[:1] + [cand]))
+        assert r == pytest.approx(reference_rewards(body, head, ids, prm.tag_id)[-1], abs=1e-5)
+        assert r == pytest.approx(prm.last_step_reward(QUESTION, STEPS[:1] + [cand]), abs=1e-6)
+    assert np.ptp(got) > 1e-4
+    assert prm.last_scored_tokens == max(len(prm.conversation(QUESTION, STEPS[:1] + [c]).encode()) for c in cands)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        prm.last_step_rewards(QUESTION, STEPS[:1], [])
+
+
 def test_a_directory_without_score_head_is_refused(tiny_prm, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -37,8 +37,8 @@ Two ways to run a step, same committed steps and transcript for the same seed (`
   of a batched forward may differ from a single one in the last float bits, so the recorded
   entropies and scores agree with the sequential run to rounding, tokens and texts exactly (barring
   a uniform draw landing within that rounding of a probability boundary).
-  A scorer with ``score_batch`` (the helper-likelihood fallback) scores all survivors of the step
-  in one batched forward; one without it (the PRM) scores them one at a time.
+  Both scorers have ``score_batch``: the PRM and the helper-likelihood fallback score all survivors
+  of the step in one batched forward (a scorer without it scores them one at a time).
 """
 
 from __future__ import annotations

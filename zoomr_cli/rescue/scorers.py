@@ -148,9 +148,13 @@ class PRMScorer:
         self.kv_peak_bytes = 0
 
     def score(self, ctx: StepContext, cand: Candidate) -> float:
-        reward = self.prm.last_step_reward(ctx.question, ctx.steps + [cand.text])
+        return self.score_batch(ctx, [cand])[0]
+
+    def score_batch(self, ctx: StepContext, cands: list[Candidate]) -> list[float]:
+        """:meth:`score` of each candidate, all in one batched PRM forward over forks of the shared prefix."""
+        rewards = self.prm.last_step_rewards(ctx.question, ctx.steps, [c.text for c in cands])
         self.kv_peak_bytes = max(self.kv_peak_bytes, self.prm.last_scored_tokens * self.prm.kv_token_bytes)
-        return reward
+        return rewards
 
 
 def build_scorer(prm_spec: str | None, device: str = "auto", dtype: str = "auto") -> Scorer:
