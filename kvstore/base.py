@@ -57,56 +57,81 @@ class KVCache(Protocol):
 class FullKVCache:
     """Full KV on the compute device, no eviction: the reference every policy is compared with.
 
-    Storage per layer is [Hkv, capacity, d] for K and V; capacity doubles when full, so appending
-    costs amortized O(1) copies per token (no per-token reallocation).
+    Storage per layer: the K/V this cache wrote since its last fork, one [Hkv, capacity, d] buffer each
+    (capacity doubles when full: amortized O(1) copies per token), after zero or more *frozen parts*:
+    read-only [Hkv, n_i, d] views shared with the caches it forked from or into.
 
-    A fork shares the buffers (copy-on-write): storage is append-only and each side reads only its
-    first ``n_tokens`` positions, so the first side to append after the fork writes in place; a side
-    that finds the other already wrote past its end copies its positions of that layer into fresh
-    buffers first (O(context), paid at its first forward, not at the fork). Attention here reads one
-    contiguous [Hkv, N, d] tensor, so two sides that both decode do end up with a copy each; sharing
-    the prefix during decoding needs attention that reads the prefix and each side's tail separately.
+    A fork freezes what is written so far into a new part, for both sides, and each side appends to
+    buffers of its own from then on: a family of forks that all decode holds their common prefix once
+    (the prefix-sharing of vLLM's copy-on-write blocks or FlashInfer's cascade attention, at one part per
+    fork generation). A fork itself copies no K/V; the side's own buffers are allocated at its first
+    write. Attention reads the parts and the own buffer separately (:meth:`update_parts`; the decoder
+    merges their softmax, see :meth:`zoomr.backends.torch.model.Decoder.forward_batch`); :meth:`update`
+    answers one contiguous copy for callers that want one. After ``MAX_PARTS`` parts a fork first
+    copies everything into one part (O(context), once per ``MAX_PARTS`` fork generations), so the
+    per-layer work of attention stays bounded.
 
     Args:
         n_layers, n_kv_heads, head_dim: model shapes.
         device, dtype: where and how K/V are stored.
-        capacity: initial positions reserved (tokens).
+        capacity: initial positions reserved (tokens); a fork's own buffers start at ``FORK_CAPACITY``.
     """
+
+    MAX_PARTS = 4
+    FORK_CAPACITY = 16   # positions first reserved for a fork's own K/V (then doubling)
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype, capacity: int = 256):
         self.shape = (n_layers, n_kv_heads, head_dim)
         self.device, self.dtype = device, dtype
-        self.k = [torch.empty(n_kv_heads, capacity, head_dim, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.empty_like(x) for x in self.k]
-        self._end = [[0] for _ in range(n_layers)]   # per layer: positions written into the buffers by
-        #                                              any fork sharing them (one list object per buffer)
+        self._capacity = capacity
+        self.k: list[torch.Tensor | None] = [None] * n_layers   # own buffers [Hkv, cap, d], None until written
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = [[] for _ in range(n_layers)]  # per layer, frozen
+        self.frozen = 0      # positions held in the frozen parts (the same for every layer)
+        self._device_bytes: int | None = None
         self.n_tokens = 0
         self.needs_text = False
         self.meter = KVMeter(self.token_bytes(), None, device.type)
 
     def _grow(self, layer: int, need: int) -> None:
-        cap = self.k[layer].shape[1]
-        mine = self._end[layer][0] == self.n_tokens
-        if need <= cap and mine:
+        cur = self.k[layer]
+        if cur is not None and need <= cur.shape[1]:
             return
-        new_cap = max(need, 2 * cap) if need > cap else cap
+        L, Hkv, d = self.shape
+        # a fork's own buffers start small: a candidate of a few dozen tokens must not reserve a prompt's worth
+        first = self._capacity if self.frozen == 0 else self.FORK_CAPACITY
+        cap = max(need, first if cur is None else 2 * cur.shape[1])
+        own = self.n_tokens - self.frozen
+        self._device_bytes = None
         for store in (self.k, self.v):
-            old = store[layer]
-            grown = torch.empty(old.shape[0], new_cap, old.shape[2], device=old.device, dtype=old.dtype)
-            grown[:, :self.n_tokens] = old[:, :self.n_tokens]
+            grown = torch.empty(Hkv, cap, d, device=self.device, dtype=self.dtype)
+            if store[layer] is not None:
+                grown[:, :own] = store[layer][:, :own]
             store[layer] = grown
-        self._end[layer] = [self.n_tokens]
+
+    def update_parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Store the T new tokens of ``layer``; return what attention reads as parts in position order.
+
+        Returns:
+            [(K_i, V_i)], each [Hkv, n_i, d]: the frozen parts, then this cache's own positions with the
+            T new tokens last. Σ n_i = positions written, the new ones included.
+        """
+        T = k.shape[1]
+        own = self.n_tokens - self.frozen
+        self._grow(layer, own + T)
+        self.k[layer][:, own:own + T] = k
+        self.v[layer][:, own:own + T] = v
+        return [*self.parts[layer], (self.k[layer][:, :own + T], self.v[layer][:, :own + T])]
 
     def update(self, layer, q, k, v):
-        """See :meth:`KVCache.update`; returns all positions written so far."""
-        T = k.shape[1]
-        end = self.n_tokens + T
-        self._grow(layer, end)
-        self.k[layer][:, self.n_tokens:end] = k
-        self.v[layer][:, self.n_tokens:end] = v
-        self._end[layer][0] = end
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        """See :meth:`KVCache.update`; returns all positions written so far (one contiguous copy when the
+        cache holds frozen parts)."""
+        parts = self.update_parts(layer, q, k, v)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1)
 
     def end_forward(self, token_ids, text):
         """Advance the write position by the forward's token count."""
@@ -115,18 +140,40 @@ class FullKVCache:
         b = self.token_bytes()
         self.meter.step(self.n_tokens, self.n_tokens * b, self.n_tokens, is_prompt, device_bytes=self.device_bytes())
 
+    def _freeze(self) -> None:
+        """Turn this cache's own positions into a frozen part (merging all parts into one past MAX_PARTS)."""
+        own = self.n_tokens - self.frozen
+        for layer in range(self.shape[0]):
+            parts = self.parts[layer]
+            if own:
+                parts = [*parts, (self.k[layer][:, :own], self.v[layer][:, :own])]
+            if len(parts) > self.MAX_PARTS:
+                parts = [(torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1))]
+            self.parts[layer] = parts
+            self.k[layer] = self.v[layer] = None
+        self.frozen = self.n_tokens
+        self._device_bytes = None
+
     def fork(self):
-        """A cache holding the same positions, sharing the buffers until one side must copy (see above)."""
+        """A cache holding the same positions; both sides share them, frozen, and append to their own buffers."""
+        self._freeze()
         other = FullKVCache.__new__(FullKVCache)
-        other.shape, other.device, other.dtype = self.shape, self.device, self.dtype
-        other.k, other.v, other._end = list(self.k), list(self.v), list(self._end)
-        other.n_tokens, other.meter = self.n_tokens, self.meter.copy()
+        other.__dict__.update(self.__dict__)
+        other.k, other.v = list(self.k), list(self.v)
+        other.parts = [list(p) for p in self.parts]
+        other.meter = self.meter.copy()
         return other
 
     def storages(self):
-        """``("device", tensor)`` for every K/V buffer held (see :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
-        for t in (*self.k, *self.v):
-            yield "device", t
+        """``("device", tensor)`` for every K/V buffer held, shared parts included (see
+        :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
+        for layer in range(self.shape[0]):
+            for K, V in self.parts[layer]:
+                yield "device", K
+                yield "device", V
+            for t in (self.k[layer], self.v[layer]):
+                if t is not None:
+                    yield "device", t
 
     def token_bytes(self) -> int:
         """Bytes of K and V of one position over all layers."""
@@ -134,8 +181,15 @@ class FullKVCache:
         return 2 * L * Hkv * d * torch.tensor([], dtype=self.dtype).element_size()
 
     def device_bytes(self) -> int:
-        """Bytes of the K/V buffers allocated on the device now (capacity, all layers)."""
-        return sum(2 * t.numel() * t.element_size() for t in self.k)
+        """Bytes of the K/V buffers this cache reads on the device now: its own (capacity) and the frozen
+        parts' storages (shared ones included), all layers."""
+        if self._device_bytes is None:   # recounted only after a buffer changed, not every forward
+            seen = {}
+            for _, t in self.storages():
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            self._device_bytes = sum(seen.values())
+        return self._device_bytes
 
     def stats(self) -> KVStats:
         """Active == full for this cache; everything sits on the compute device, nothing on the host."""

@@ -33,6 +33,37 @@ def default_kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return dtype if device.type == "cuda" else torch.float32
 
 
+def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]],
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention over keys/values held in several parts, without concatenating them.
+
+    The scores of every part are computed and normalized together, then each part's values are
+    weighted by its share, so a fork reads its shared prefix in place (see
+    :class:`zoomr.kvstore.base.FullKVCache`); the result equals attention over the parts concatenated.
+
+    Args:
+        q: [H, T, d] queries; H a multiple of Hkv (grouped-query: head h reads KV head h // (H / Hkv)).
+        parts: [(K_i, V_i)], each [Hkv, n_i, d], in position order.
+        mask: None or [T, N] bool (True = attend), N = Σ n_i.
+    Returns:
+        [H, T, d] in q's dtype.
+    """
+    H, T, d = q.shape
+    Hkv = parts[0][0].shape[0]
+    g = H // Hkv
+    qg = q.reshape(Hkv, g * T, d) * d ** -0.5          # rows: (group member, token) per KV head
+    scores = torch.cat([torch.bmm(qg, K.transpose(1, 2)) for K, _ in parts], dim=-1).float()   # [Hkv, g*T, N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    p = scores.softmax(dim=-1).to(q.dtype)
+    out, start = None, 0
+    for K, V in parts:
+        n = K.shape[1]
+        term = torch.bmm(p[..., start:start + n], V)
+        out, start = term if out is None else out + term, start + n
+    return out.reshape(H, T, d)
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor   # [hidden]
@@ -210,17 +241,25 @@ class Decoder:
                 self._attend_padded(li, q, k, v, caches, o)
             else:
                 for (a, b), cache in zip(bounds, caches):
-                    K, V = cache.update(li, q[:, a:b], k[:, a:b], v[:, a:b])
-                    T, N = b - a, K.shape[1]
+                    update_parts = getattr(cache, "update_parts", None)
+                    if update_parts is None:
+                        parts = [cache.update(li, q[:, a:b], k[:, a:b], v[:, a:b])]
+                    else:
+                        parts = update_parts(li, q[:, a:b], k[:, a:b], v[:, a:b])
+                    T, N = b - a, sum(K.shape[1] for K, _ in parts)
                     mask = None
                     if T > 1:
                         # the T new tokens are the last T of the N attended: causal within them
                         mask = masks.get((T, N))
                         if mask is None:
                             mask = masks[(T, N)] = torch.ones(T, N, dtype=torch.bool, device=x.device).tril(N - T)
-                    ob = F.scaled_dot_product_attention(q[None, :, a:b], K[None], V[None], attn_mask=mask,
-                                                        enable_gqa=H != Hkv)
-                    o[a:b] = ob[0].transpose(0, 1).reshape(T, H * d)
+                    if len(parts) == 1:
+                        K, V = parts[0]
+                        ob = F.scaled_dot_product_attention(q[None, :, a:b], K[None], V[None], attn_mask=mask,
+                                                            enable_gqa=H != Hkv)[0]
+                    else:
+                        ob = attend_parts(q[:, a:b], parts, mask)
+                    o[a:b] = ob.transpose(0, 1).reshape(T, H * d)
             x = x + L.o(o)
             h = self._rms(x, L.mlp_norm)
             gate, up = L.gate_up(h).chunk(2, dim=-1)

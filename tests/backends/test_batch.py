@@ -194,3 +194,24 @@ def test_llamacpp_bad_batches(llama):
     assert a.tokens == [1, 2] and b.tokens == []
     be.free(a)
     be.free(b)
+
+
+def test_full_kv_forks_decode_over_their_shared_prefix_as_if_never_forked(torch_backend):
+    """Forks of a full-KV sequence read the frozen prefix in place (attention over parts, softmax merged):
+    the same logits as a sequence that never forked, decoded one by one or as a batch."""
+    tok = torch_backend.tokenizer
+    prompt = tok.encode(TEXTS[1], add_bos=False, special=False)
+    parent = torch_backend.new_sequence()
+    torch_backend.prefill(parent, prompt)
+    kids = [torch_backend.fork(parent) for _ in range(3)]
+    tails = [[11, 12, 13], [21], [31, 32], [41, 42]]
+    torch_backend.prefill(kids[0], tails[0][:1])
+    grand = torch_backend.fork(kids[0])                    # a second generation: two frozen parts
+    torch_backend.prefill(grand, tails[3][:1])
+    got = [torch_backend.prefill(kids[0], tails[0][1:], all_logits=True)[-1],
+           torch_backend.decode(kids[1], tails[1][0])]
+    got += list(torch_backend.decode_batch([kids[2], grand], [tails[2][0], tails[3][1]]))
+    assert len(grand.cache.parts[0]) == 2 and len(kids[2].cache.parts[0]) == 1
+    for logits, tail in zip(got, [tails[0], tails[1], tails[2][:1], tails[0][:1] + tails[3]]):
+        ref = torch_backend.prefill(torch_backend.new_sequence(), prompt + tail)
+        np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)

@@ -156,15 +156,31 @@ def test_fork_shares_the_stored_kv(name):
         assert child.active.k[0].data_ptr() != cache.active.k[0].data_ptr()
 
 
-def test_full_device_cache_fork_copies_nothing_until_both_write():
+def test_full_device_forks_that_all_decode_hold_the_prefix_once():
+    """Parent and children all append after a fork: each reads the frozen prefix in place and pays only
+    for its own new positions (before: every side but the first writer copied the whole prefix)."""
+    from zoomr.kvstore.stats import distinct_kv_bytes
+
     cache = make("full-device")
     feed(cache, forwards(1, 20, first_T=10))
-    child = cache.fork()
-    ptr = [t.data_ptr() for t in cache.k]
-    feed(child, forwards(2, 1))
-    assert [t.data_ptr() for t in child.k] == ptr      # the first writer appends in place
-    feed(cache, forwards(3, 1))
-    assert [t.data_ptr() for t in cache.k] != ptr      # the second copies its 29 positions
+    kids = [cache.fork() for _ in range(4)]
+    prefix = [K.untyped_storage().data_ptr() for K, _ in cache.parts[0]]
+    held = distinct_kv_bytes([cache, *kids])["device"]
+    for i, side in enumerate([cache, *kids]):
+        feed(side, forwards(20 + i, 3))
+        assert [K.untyped_storage().data_ptr() for K, _ in side.parts[0]] == prefix
+    own = 2 * L * HKV * FullKVCache.FORK_CAPACITY * D * 4      # each side's own buffers, fp32
+    assert distinct_kv_bytes([cache, *kids])["device"] == held + 5 * own
+
+
+def test_full_device_fork_generations_merge_past_max_parts():
+    cache, ref = make("full-device"), make("full-device")
+    fwds = forwards(1, 3 * (FullKVCache.MAX_PARTS + 2), first_T=3)
+    for i, f in enumerate(fwds):
+        if i % 3 == 0 and i:
+            cache = cache.fork()          # a new generation: the winner of each step forks again
+        assert same(feed(cache, [f]), feed(ref, [f]))
+        assert len(cache.parts[0]) <= FullKVCache.MAX_PARTS
 
 
 def test_policy_forks_share_what_they_never_write():
