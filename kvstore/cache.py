@@ -17,7 +17,7 @@ import torch
 
 from .active_set import ResidentActiveSet, StreamedActiveSet
 from .events import EventBus
-from .host_store import BLOCK, HostKVStore
+from .host_store import BLOCK, HostKVStore, PositionCount
 from .policy import ForwardInfo, KVPolicy, LayerView, PolicyContext
 from .stats import KVMeter, KVStats
 
@@ -27,6 +27,10 @@ STREAM_BLOCK = 512   # host-store block of a streamed cache (positions)
 
 class PolicyKVCache:
     """KV cache of one sequence: host store + device active set + a policy.
+
+    The host store holds every position only when the policy may restore one it dropped
+    (``policy.restores_evicted``: SumR, ZoomR) or the cache streams full KV from the host; otherwise it
+    just counts positions (:class:`zoomr.kvstore.host_store.PositionCount`).
 
     Args:
         policy: a fresh policy (one per cache).
@@ -57,7 +61,10 @@ class PolicyKVCache:
         self.events = events
         if block is None:
             block = BLOCK if offload == "resident" else STREAM_BLOCK
-        self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, block)
+        if offload == "stream" or policy.restores_evicted:
+            self.store = HostKVStore(n_layers, n_kv_heads, head_dim, dtype, device, block)
+        else:  # nothing it dropped comes back: no host copy (R-KV/H2O/StreamingLLM hold only what they keep)
+            self.store = PositionCount(n_layers, n_kv_heads, head_dim, dtype)
         active_cls = ResidentActiveSet if offload == "resident" else StreamedActiveSet
         self.active = active_cls(self.store, device, dtype)
         self.ctx = PolicyContext(n_layers, n_heads, n_kv_heads, head_dim, device, self.store, self._emit)

@@ -234,3 +234,38 @@ class HostKVStore:
         other._ready = [None] * L
         other._stream = self._stream
         return other
+
+
+class PositionCount(HostKVStore):
+    """The host store of a cache whose policy never selects a position it dropped (full KV kept resident,
+    StreamingLLM, H2O, SnapKV, R-KV): it counts positions and keeps no K/V, so such a cache holds its
+    active set and nothing else (host memory O(budget), not O(context)).
+
+    Raises (on a read):
+        RuntimeError: a gather, chunk or key read, which only a restoring policy needs.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.shape, self.dtype, self.cuda = (n_layers, n_kv_heads, head_dim), dtype, False
+        self.n = [0] * n_layers
+        self._bytes = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.n[layer] += k.shape[1]
+
+    def sync(self, layer: int) -> None:
+        pass
+
+    def _read(self, *args, **kwargs):
+        raise RuntimeError("this cache keeps no host copy of its K/V: its policy never restores an evicted "
+                           "position (KVPolicy.restores_evicted)")
+
+    gather = keys = chunks = _read
+
+    def buffers(self):
+        return iter(())
+
+    def fork(self) -> "PositionCount":
+        other = PositionCount(*self.shape, self.dtype)
+        other.n = list(self.n)
+        return other

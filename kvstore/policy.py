@@ -101,6 +101,9 @@ class KVPolicy:
     name: ClassVar[str] = "base"
     # whether end_forward reads ForwardInfo.text (segment tracking): the backend detokenizes only for those
     needs_text: ClassVar[bool] = False
+    # whether a position it dropped can be selected again (SumR, ZoomR): only then does its cache keep every
+    # K/V in the host store; an eviction-only policy holds its active set and nothing else
+    restores_evicted: ClassVar[bool] = False
     budget: int | None = None
     slack: int = 0
 

@@ -41,7 +41,6 @@ class PolicyInfo:
         summary: what the policy keeps, one line (README, ``--help``).
         scores: the attention signal it ranks positions by, e.g. "accumulated attention scores"; empty
             when it needs only the tokens and their text.
-        host_store: positions it evicted can come back, so every K/V must stay in the host store.
         backends: the backends that implement it (of :data:`BACKENDS`).
     """
 
@@ -50,7 +49,6 @@ class PolicyInfo:
     policy: type[KVPolicy]
     summary: str
     scores: str = ""
-    host_store: bool = False
     backends: tuple[str, ...] = ("torch",)
 
     @property
@@ -61,6 +59,12 @@ class PolicyInfo:
     @property
     def knob_names(self) -> tuple[str, ...]:
         return tuple(k.name for k in self.knobs)
+
+    @property
+    def host_store(self) -> bool:
+        """Positions it evicted can come back, so every K/V stays in the host store (the policy class's
+        ``restores_evicted``)."""
+        return self.policy.restores_evicted
 
     @property
     def budgeted(self) -> bool:
@@ -161,10 +165,9 @@ for _row in (
     PolicyInfo("rkv", RKVConfig, RKVPolicy, "per KV head top keys by attention mixed with key redundancy, "
                "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity"),
     PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
-               "(ZoomR's SumR ablation)", host_store=True, backends=("torch", "llamacpp")),
+               "(ZoomR's SumR ablation)", backends=("torch", "llamacpp")),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "
-               "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head",
-               host_store=True),
+               "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head"),
 ):
     register(_row)
 

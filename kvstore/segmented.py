@@ -39,6 +39,7 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
     """
 
     needs_text = True  # segments close on the text written
+    restores_evicted = True  # a segment left as its summary is zoomed in again when the votes pick it
 
     def __init__(self, window: int = 128, summaries: str = "auto"):
         if window < 1:

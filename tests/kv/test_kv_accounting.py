@@ -54,13 +54,15 @@ def test_decode_never_exceeds_the_policy_bound(name, budget, bound):
 
 
 def test_offloaded_cache_reports_host_copy_and_device_set():
-    s = run(PolicySpec("streaming", 32), 8, 300)
+    """A restoring policy (ZoomR) keeps every position on the host; an eviction-only one keeps none there."""
     token_bytes = 2 * L * HKV * D * 4
-    assert s.host_kv_bytes >= s.full_tokens * token_bytes       # the full copy in host memory is counted
-    assert 0 < s.device_kv_bytes < s.host_kv_bytes               # only the selection sits on the device
-    assert s.kv_device == "cpu"
     z = run(PolicySpec("zoomr", window=16), 8, 200)
+    assert z.host_kv_bytes >= z.full_tokens * token_bytes       # the full copy in host memory is counted
+    assert z.device_kv_bytes > 0
+    assert z.kv_device == "cpu"
     assert z.bound_measured and z.bound_tokens <= z.peak_active_tokens
+    s = run(PolicySpec("streaming", 32), 8, 300)
+    assert s.host_kv_bytes == 0 and 0 < s.device_kv_bytes < s.full_tokens * token_bytes
 
 
 def test_full_cache_saving_is_one_and_holds_nothing_on_the_host():
