@@ -7,7 +7,8 @@ process one after the other, so the ratios are comparable even though absolute t
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
 (``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``. ``--json PATH`` writes the rows:
 ``engine``, ``prefill_tok_s``, ``decode_tok_s``, ``prefill_ratio`` and ``decode_ratio`` (over llama.cpp's),
-``weight_MiB``, ``dtype``.
+``weight_MiB``, ``dtype``, ``kv_dtype``. ``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32
+on a CPU), e.g. to compare fp32 and bf16 attention at a long ``--prompt-tokens``.
 
     python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2] [--json out.json]
 """
@@ -31,12 +32,13 @@ ROWS = {"fp32": ("fp32", "none"), "fp16": ("fp16", "none"), "bf16": ("bf16", "no
         "int4": ("auto", "int4")}
 
 
-def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, device: str) -> dict:
+def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, device: str,
+                kv_dtype: str = "auto") -> dict:
     from zoomr.backends.torch.engine import TorchBackend
 
     dtype, quant = ROWS[row]
     be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads,
-                      quant=quant)
+                      quant=quant, kv_dtype=kv_dtype)
     be.prefill(be.new_sequence(), ids[:16])  # warm-up: allocator, kernels
     seq = be.new_sequence()
     t = time.perf_counter()
@@ -49,6 +51,7 @@ def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, d
     decode_s = time.perf_counter() - t
     return {"engine": f"torch {row}", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
             "weight_MiB": be.model.weight_bytes() / 2**20, "dtype": str(be.dtype).replace("torch.", ""),
+            "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
             "weights": be.model.weight_summary()}
 
 
@@ -86,6 +89,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"torch rows to run, of {', '.join(ROWS)}")
+    ap.add_argument("--kv-dtype", default="auto", help="KV cache / attention dtype of the torch rows (auto: fp32 on a "
+                    "CPU, the compute dtype on CUDA)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
 
@@ -103,12 +108,13 @@ def main() -> None:
     rows = []
     for row in ["llama.cpp"] + a.rows.split(","):  # each row printed as it finishes
         r = (bench_llamacpp(src.path, ids, a.decode_tokens, a.threads) if row == "llama.cpp"
-             else bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device))
+             else bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device, a.kv_dtype))
         rows.append(r)
         r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
         r["prefill_ratio"] = r["prefill_tok_s"] / rows[0]["prefill_tok_s"]
         print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['prefill_ratio']:>12.2f}{r['decode_tok_s']:>14.1f}"
-              f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}",
+              f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}"
+              f"{' · KV ' + r['kv_dtype'] if 'kv_dtype' in r else ''}",
               flush=True)
     if a.json:
         with open(a.json, "w") as f:
