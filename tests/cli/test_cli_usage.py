@@ -73,6 +73,7 @@ def test_bare_zoomr_still_shows_help():
     assert r.returncode == 2
     assert "Usage: zoomr" in r.stdout + r.stderr and "solve" in r.stdout + r.stderr
     assert "zoomr: error" not in r.stderr
+    assert r.stderr == "" or r.stderr.strip()   # no stray empty line
 
 
 @pytest.mark.parametrize("flag,value,choices", [

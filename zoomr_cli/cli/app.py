@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except _NO_ARGS_HELP as e:  # bare ``zoomr``: the help, as before
-        e.show()
+        if e.format_message().strip():  # rich help is printed to stdout as it is built: no empty line after it
+            e.show()
         return e.exit_code
     except _USAGE_ERROR as e:
         if debug_enabled():
