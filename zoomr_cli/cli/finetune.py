@@ -103,7 +103,7 @@ def finetune_command(
     try:
         summary = run_finetune(cfg, on_event)
     except KeyboardInterrupt:
-        err.print(f"interrupted: checkpoint saved in {out / 'checkpoints'}; --resume continues")
+        err.print(f"interrupted: what was done is kept in {out} (training saves a checkpoint); --resume continues")
         raise
     finally:
         if live:

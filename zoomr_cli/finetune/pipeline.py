@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
 
 from .augment import DEFAULT_PARAGRAPH_TOKENS, Augmented, augment_trace, read_jsonl, read_traces, rejection_counts
@@ -156,8 +157,17 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     cfg.train.validate()
     if cfg.data is None and cfg.augmented is None:
         raise UserError("give DATA (a JSONL of reasoning traces) or --augmented PATH")
-    if cfg.data is not None and cfg.augmented is None and not cfg.data.is_file():
-        read_traces(cfg.data, 1)  # the one-line reason: missing, a directory, ...
+    # bad input is refused before anything is loaded or written
+    if cfg.augmented is None:
+        read_traces(cfg.data, cfg.limit)
+        if cfg.summarizer is not None:
+            try:
+                resolve_model(cfg.summarizer)
+            except ValueError as e:
+                raise UserError(f"--summarizer {cfg.summarizer}: {e}") from None
+    else:
+        for r in read_jsonl(cfg.augmented, "--augmented", cfg.limit):
+            Augmented.from_json(r, f"--augmented {cfg.augmented}")
     t0 = time.monotonic()
     prepare_out(cfg)
     on_event("stage", {"name": "load model"})
