@@ -27,7 +27,8 @@ TRACE_FIELDS = (("question", "answer"), ("problem", "solution"))
 # sentence about this paragraph alone
 SUMMARY_PROMPT = ("Summarize the following step of a math solution in one short sentence. Keep the numbers it "
                   "computes. Write only the summary.")
-DEFAULT_PARAGRAPH_TOKENS = 48
+# GSM8K's steps are 10-25 tokens a line: about two lines per summarized paragraph
+DEFAULT_PARAGRAPH_TOKENS = 32
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")            # GSM8K's calculator annotations: <<48/2=24>>
 _GSM8K_ANSWER = re.compile(r"\n?####\s*(.+?)\s*$")  # GSM8K's final line: #### 72

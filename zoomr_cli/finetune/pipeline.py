@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ from .train import TrainConfig
 RUN_FILE = "finetune.json"
 AUGMENTED = "augmented.jsonl"
 # settings that must not change between a run and its --resume (the rest may: --steps can grow)
-_FIXED = ("data", "augmented", "model", "summarizer", "limit", "seq_len", "rank", "alpha", "batch", "seed")
+_FIXED = ("data", "augmented", "model", "summarizer", "limit", "summary_tokens", "paragraph_tokens", "seq_len", "rank",
+          "alpha", "batch", "seed")
 
 
 @dataclass
@@ -59,7 +61,8 @@ class FinetuneConfig:
     def settings(self) -> dict:
         """The JSON-able settings recorded in ``finetune.json``."""
         return {"data": str(self.data) if self.data else None, "augmented": str(self.augmented) if self.augmented else None,
-                "model": self.model, "summarizer": self.summarizer, "limit": self.limit, **asdict(self.train)}
+                "model": self.model, "summarizer": self.summarizer, "limit": self.limit,
+                "summary_tokens": self.summary_tokens, "paragraph_tokens": self.paragraph_tokens, **asdict(self.train)}
 
 
 Event = Callable[[str, dict], None]  # (kind, fields): stage, augment, tokenized, step, checkpoint, exported
@@ -152,7 +155,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     from .data import encode_example
     from .export import export_merged, model_card, plot_losses
     from .hf_model import delimiter_ids, load_weights, transformers_model, write_tokenizer
-    from .train import Trainer, peft_model
+    from .train import Trainer, disk_full, peft_model
 
     cfg.train.validate()
     if cfg.data is None and cfg.augmented is None:
@@ -185,6 +188,8 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     import transformers
 
     transformers.logging.set_verbosity_error()
+    # peft asks transformers a deprecated question on every forward; the answer is right, the warning noise
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size), cfg.train, delimiter_ids(tok))
     del tensors
     pad = tok.eos_ids and min(tok.eos_ids) or 0
@@ -195,8 +200,14 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
                 on_checkpoint=lambda s: on_event("checkpoint", {"step": s}))
     on_event("stage", {"name": "export"})
     model.to("cpu")
-    export_merged(model, mcfg, cfg.out)
-    plot_losses(trainer.losses, cfg.out / "loss.png")
+    try:
+        export_merged(model, mcfg, cfg.out)
+        plot_losses(trainer.losses, cfg.out / "loss.png")
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        raise UserError(f"cannot write the merged model into {cfg.out}: no space ({e}); the checkpoint of step "
+                        f"{trainer.step} is intact: free space, then --resume exports again") from None
     summary = {"examples": len(examples), "counts": counts, "steps": trainer.step, "losses": trainer.losses,
                "seconds": time.monotonic() - t0}
     (cfg.out / "README.md").write_text(model_card(

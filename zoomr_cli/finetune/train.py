@@ -89,6 +89,14 @@ class CheckpointError(UserError):
     """A checkpoint could not be written (disk full); the previous one is intact."""
 
 
+def disk_full(e: BaseException) -> bool:
+    """True when ``e`` is a write that failed for want of space: ENOSPC, EFBIG (a file-size limit) or
+    EDQUOT, as an OSError or as safetensors' own error, which carries only the message (``os error 28``)."""
+    if isinstance(e, OSError):
+        return e.errno in _FULL_DISK
+    return any(f"os error {n})" in str(e) for n in _FULL_DISK)
+
+
 def peft_model(model, cfg: TrainConfig, token_ids: list[int]):
     """``model`` wrapped with LoRA adapters and the ``token_ids`` embedding rows trainable.
 
@@ -179,7 +187,8 @@ class Trainer:
             tmp.mkdir()
             sd = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
             save_file(sd, str(tmp / "adapter.safetensors"))
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            with open(tmp / "optimizer.pt", "wb") as f:
+                torch.save(self.optimizer.state_dict(), f)
             (tmp / "state.json").write_text(json.dumps({"step": self.step, "losses": self.losses,
                                                         "config": asdict(self.cfg)}))
             shutil.rmtree(final, ignore_errors=True)
@@ -187,14 +196,14 @@ class Trainer:
             pointer = self.ckpt_dir / ".latest.tmp"
             pointer.write_text(name)
             os.replace(pointer, self.ckpt_dir / "latest")
-        except OSError as e:
+        except Exception as e:  # safetensors and torch raise their own errors for a failed write
             shutil.rmtree(tmp, ignore_errors=True)
+            if not disk_full(e):
+                raise
             prev = latest_checkpoint(self.ckpt_dir)
             kept = f"the last checkpoint ({prev.name}) is intact" if prev else "no earlier checkpoint exists"
-            if e.errno in _FULL_DISK:
-                raise CheckpointError(f"cannot write the checkpoint of step {self.step} in {self.ckpt_dir}: "
-                                      f"{os.strerror(e.errno)}; {kept}; free space, then --resume") from None
-            raise
+            raise CheckpointError(f"cannot write the checkpoint of step {self.step} in {self.ckpt_dir}: no space "
+                                  f"({e}); {kept}; free space, then --resume") from None
         for old in sorted(self.ckpt_dir.glob("step-*"))[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
         return final
