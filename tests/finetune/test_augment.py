@@ -83,8 +83,8 @@ def test_the_policy_tracker_finds_one_segment_per_paragraph():
 
 def test_augment_trace_replaces_rejected_summaries():
     sol = "Sam buys 6 * 7 = 42 eggs.\n\nHe has 42 - 5 = 37 eggs.\n#### 37"
-    outs = iter(["", "He has 37 eggs left over after breaking five of them, which is a lot of eggs."])
-    a = augment_trace(0, "q", sol, lambda p: next(outs))
+    outs = ["", "He has 37 eggs left over after breaking five of them, which is a lot of eggs."]
+    a = augment_trace(0, "q", sol, lambda ps: outs[:len(ps)])
     assert a.rejected == ["empty", "longer"]
     assert a.summaries == [fallback_summary(p) for p in a.paragraphs]
     assert all(check_summary(s, p) is None for s, p in zip(a.summaries, a.paragraphs))

@@ -21,7 +21,7 @@ def augmented(tmp_path_factory):
     """A pre-augmented file (extractive summaries: the summarizer's output is empty, so every summary is the
     fallback), so the test spends its time on training and export, not on generating summaries."""
     path = tmp_path_factory.mktemp("aug") / "augmented.jsonl"
-    rows = [augment_trace(k, q, a, lambda p: "") for k, (q, a) in enumerate(TRACES)]
+    rows = [augment_trace(k, q, a, lambda ps: [""] * len(ps)) for k, (q, a) in enumerate(TRACES)]
     path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in rows))
     return path
 

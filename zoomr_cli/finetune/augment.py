@@ -195,11 +195,12 @@ class Augmented:
         return a
 
 
-def augment_trace(index: int, problem: str, solution: str, summarize: Callable[[str], str],
+def augment_trace(index: int, problem: str, solution: str, summarize: Callable[[list[str]], list[str]],
                   count_tokens: Callable[[str], int] | None = None,
                   target_tokens: int = DEFAULT_PARAGRAPH_TOKENS) -> Augmented:
-    """One trace augmented: cleaned, split, each paragraph summarized by ``summarize(paragraph)`` (raw
-    model text, cleaned by :func:`clean_summary`), rejected summaries replaced.
+    """One trace augmented: cleaned, split, its paragraphs summarized by ``summarize(paragraphs)`` (one raw
+    model text per paragraph, each from that paragraph alone; cleaned by :func:`clean_summary`), rejected
+    summaries replaced.
 
     Raises:
         UserError: a solution with no text left after cleaning.
@@ -207,9 +208,12 @@ def augment_trace(index: int, problem: str, solution: str, summarize: Callable[[
     paragraphs = split_paragraphs(clean_solution(solution), count_tokens, target_tokens)
     if not paragraphs:
         raise UserError(f"DATA row {index + 1}: empty solution")
+    raw = summarize(paragraphs)
+    if len(raw) != len(paragraphs):
+        raise ValueError(f"the summarizer returned {len(raw)} summaries for {len(paragraphs)} paragraphs")
     summaries, rejected = [], []
-    for p in paragraphs:
-        s = clean_summary(summarize(p))
+    for p, r in zip(paragraphs, raw):
+        s = clean_summary(r)
         why = check_summary(s, p)
         rejected.append(why)
         summaries.append(fallback_summary(p) if why else s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zoomr.backends.base import Backend
 from zoomr.backends.chat_prompt import encode_chat
-from zoomr.backends.generation import GenerationStats, generate
+from zoomr.backends.generation import GenerationStats, generate_batch
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.errors import UserError
 
@@ -39,21 +39,26 @@ class Summarizer:
                 raise UserError(f"--summarizer {model or 'default'}: {e}") from None
         self.backend = backend
         self.max_tokens = max_tokens
-        self._sampler = Sampler(SamplingParams(temperature=0.0))
 
-    def __call__(self, paragraph: str) -> str:
-        """Raw summary text of ``paragraph`` (greedy, at most ``max_tokens``; clean it with
-        :func:`zoomr.finetune.augment.clean_summary`). A paragraph too long for the context gets ``""``
-        (rejected, then replaced by the extractive fallback)."""
+    def __call__(self, paragraphs: list[str]) -> list[str]:
+        """Raw summary texts of ``paragraphs``, decoded together in one batch (greedy, at most
+        ``max_tokens`` each; clean them with :func:`zoomr.finetune.augment.clean_summary`). A paragraph too
+        long for the context gets ``""`` (rejected, then replaced by the extractive fallback)."""
         tok = self.backend.tokenizer
-        ids = encode_chat(tok, [{"role": "user", "content": f"{SUMMARY_PROMPT}\n\n{paragraph}"}])
-        if len(ids) + self.max_tokens > self.backend.n_ctx:
-            return ""
-        seq = self.backend.new_sequence()
-        stats = GenerationStats()
+        prompts = [encode_chat(tok, [{"role": "user", "content": f"{SUMMARY_PROMPT}\n\n{p}"}]) for p in paragraphs]
+        fits = [k for k, ids in enumerate(prompts) if len(ids) + self.max_tokens <= self.backend.n_ctx]
+        out = [""] * len(paragraphs)
+        if not fits:
+            return out
+        seqs = [self.backend.new_sequence() for _ in fits]
+        stats = [GenerationStats() for _ in fits]
         try:
-            for _ in generate(self.backend, seq, ids, self._sampler, self.max_tokens, stats, stop=("\n",)):
-                pass
+            logits = self.backend.prefill_batch(seqs, [prompts[k] for k in fits])
+            generate_batch(self.backend, seqs, [Sampler(SamplingParams(temperature=0.0)) for _ in fits],
+                           self.max_tokens, stats, logits, stop=("\n",))
         finally:
-            self.backend.free(seq)
-        return stats.text
+            for seq in seqs:
+                self.backend.free(seq)
+        for k, st in zip(fits, stats):
+            out[k] = st.text
+        return out

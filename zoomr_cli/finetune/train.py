@@ -40,6 +40,9 @@ class TrainConfig:
         rank, alpha, dropout: LoRA (Hu et al. 2021); lr: peak learning rate of AdamW, reached after
         ``warmup`` steps (linear), then cosine-decayed to 10 % at ``steps``; checkpoint_every: steps between
         checkpoints (the last step always gets one); seed: batch order and dropout.
+
+    The paper's own values (its Table 2) are not in the text available here; these defaults are the usual
+    LoRA ones (r 16, α 32, lr 2e-4) and sized for small models on a CPU.
     """
 
     steps: int = 200
