@@ -85,6 +85,9 @@ def prepare_out(cfg: FinetuneConfig) -> None:
     if exists and not (cfg.resume or cfg.force):
         raise UserError(f"--out {out}: already exists; --resume continues that run, --force starts over")
     if exists and cfg.force:
+        if cfg.augmented is not None and out.resolve() in cfg.augmented.resolve().parents:
+            raise UserError(f"--force would delete --augmented {cfg.augmented} (it is inside --out {out}); "
+                            "copy it out first, or use --resume")
         if not run_file.is_file():
             raise UserError(f"--out {out}: not a zoomr finetune directory (no {RUN_FILE}); not deleting it")
         shutil.rmtree(out)
