@@ -55,7 +55,7 @@ def plot_losses(losses: list[float], path: Path) -> None:
     plt.close(fig)
 
 
-def model_card(*, directory: str, base: str, data: str, examples: int, counts: dict, train: dict, losses: list[float],
+def model_card(*, directory: str, base: str, data: str, summarizer: str, examples: int, counts: dict, train: dict, losses: list[float],
                command: str, seconds: float) -> str:
     """The README.md of the exported directory: base model, data, augmentation counts, knobs, loss curve,
     how to run it and the command that made it."""
@@ -76,7 +76,7 @@ zoomr solve problem.txt -m {directory} --policy zoomr --summaries model
 
 ## Data
 
-- traces: `{data}`, {examples} examples
+- traces: `{data}`, {examples} examples; summaries written by {summarizer}
 - paragraphs: {counts.get('paragraphs', 0)}; summaries rejected and replaced by an extractive one:
   {counts.get('rejected', 0)} (empty {counts.get('empty', 0)}, not shorter {counts.get('longer', 0)},
   copy {counts.get('copy', 0)})

@@ -215,6 +215,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
                "seconds": time.monotonic() - t0}
     (cfg.out / "README.md").write_text(model_card(
         directory=str(cfg.out), base=src.name, data=str(cfg.augmented or cfg.data), examples=len(examples),
+        summarizer=f"an earlier run ({cfg.augmented})" if cfg.augmented else (cfg.summarizer or "the embedded model"),
         counts=counts, train=asdict(cfg.train), losses=trainer.losses, command=cfg.command,
         seconds=summary["seconds"]))
     on_event("exported", {"out": str(cfg.out)})
