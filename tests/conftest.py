@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -73,52 +72,34 @@ def gguf_weights(embedded_path):
     return cfg, tensors
 
 
-@dataclasses.dataclass(frozen=True)
-class GGUFVocab:
-    tokens: list[str]
-    types: list[int]
-    merges: list[str]
-    bos_id: int
-    eos_id: int
-    chat_template: str
-
-
 @functools.lru_cache(maxsize=2)  # reading the 49k-token arrays is the slow part: once per file
-def gguf_vocab(gguf_path: Path) -> GGUFVocab:
-    """The tokenizer fields of a GGUF file."""
-    import gguf
+def gguf_vocab(gguf_path: Path):
+    """The tokenizer fields of a GGUF file (:class:`zoomr.backends.hf_tokenizer.GGUFVocab`)."""
+    from zoomr.backends.hf_tokenizer import read_gguf_vocab
 
-    f = gguf.GGUFReader(str(gguf_path)).fields
-    return GGUFVocab(f["tokenizer.ggml.tokens"].contents(), f["tokenizer.ggml.token_type"].contents(),
-                     f["tokenizer.ggml.merges"].contents(), int(f["tokenizer.ggml.bos_token_id"].contents()),
-                     int(f["tokenizer.ggml.eos_token_id"].contents()), f["tokenizer.chat_template"].contents())
+    return read_gguf_vocab(gguf_path)
 
 
 def write_hf_tokenizer(gguf_path: Path, out: Path, config: dict | None = None, post_bos: bool = False) -> None:
-    """tokenizer.json / tokenizer_config.json from a GGUF vocabulary (byte-level BPE, SmolLM2's pre-tokenizer),
-    as llama.cpp's converter would have read them: control tokens are special added tokens.
+    """tokenizer.json / tokenizer_config.json from a GGUF vocabulary, through the product's converter
+    (:func:`zoomr.backends.hf_tokenizer.build_hf_tokenizer`).
 
     Args:
         config: entries to set in tokenizer_config.json (``add_bos_token`` ...).
         post_bos: give tokenizer.json a post-processor that puts BOS in front of a sequence.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import processors
+
+    from zoomr.backends.hf_tokenizer import build_hf_tokenizer
 
     v = gguf_vocab(gguf_path)
-    merges = [tuple(m.split(" ", 1)) for m in v.merges]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(v.tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(v.tokens, v.types) if ty == 3])
+    tok, conf = build_hf_tokenizer(v, str(gguf_path))
     bos = v.tokens[v.bos_id]
     if post_bos:
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                                            special_tokens=[(bos, v.bos_id)])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": bos, "eos_token": v.tokens[v.eos_id], "add_bos_token": False,
-        "chat_template": v.chat_template, **(config or {})}))
+    (out / "tokenizer_config.json").write_text(json.dumps({**conf, **(config or {})}))
 
 
 def zoomr_cmd() -> list[str]:

@@ -4,7 +4,7 @@ Layers, low → high (README "How it is built"); a module may import its own lay
 
     zoomr.configs, zoomr.errors, zoomr.grading → zoomr.kvstore → zoomr.backends
     → zoomr.options, zoomr.factory, zoomr.prompts, zoomr.loading, zoomr.solving → zoomr.rescue
-    → zoomr.evaluation → zoomr.cli
+    → zoomr.evaluation, zoomr.finetune → zoomr.cli
 
 Two checks over every module of the installed package: what importing it really loads (each module in a
 fresh interpreter), and every import statement in its source, the ones inside functions included (a lazy
@@ -35,7 +35,7 @@ LAYERS = [
     ("zoomr.backends",),
     ("zoomr.options", "zoomr.factory", "zoomr.prompts", "zoomr.loading", "zoomr.solving"),
     ("zoomr.rescue",),
-    ("zoomr.evaluation",),
+    ("zoomr.evaluation", "zoomr.finetune"),
     ("zoomr.cli", "zoomr.__main__"),
 ]
 CLI = len(LAYERS) - 1

@@ -139,11 +139,13 @@ def _register() -> None:
         return
     from zoomr.cli.bench import bench_command
     from zoomr.cli.chat import chat_command
+    from zoomr.cli.finetune import finetune_command
     from zoomr.cli.solve import solve_command
 
     app.command("solve")(_interruptible(solve_command))
     app.command("chat")(_interruptible(chat_command))
     app.command("bench")(_interruptible(bench_command))
+    app.command("finetune")(_interruptible(finetune_command))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,126 @@
+"""The model being fine-tuned as a ``transformers`` model, built from the weights zoomr itself loads.
+
+zoomr's loader (:mod:`zoomr.backends.torch.weights`) already reads GGUF files (dequantized to float32, Q/K
+rows in HF order) and HF safetensors directories under HF tensor names, every tensor checked; so the
+transformers model is made from its configuration (``LlamaForCausalLM`` / ``Qwen2ForCausalLM``) and those
+tensors, offline, with no second GGUF reader. The tokenizer is written as HF files with the summary
+delimiters appended as special tokens (:mod:`zoomr.backends.hf_tokenizer`) and, for a GGUF, checked to give
+llama.cpp's ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from zoomr.backends.hf_tokenizer import add_special_tokens_to_dir, write_hf_tokenizer
+from zoomr.backends.models import ModelLoadError, ModelSource, resolve_model
+from zoomr.backends.tokenizer import HFTokenizer
+from zoomr.backends.torch.config import ModelConfig
+from zoomr.errors import UserError
+from zoomr.kvstore.segments import BEGIN, END
+
+DELIMITERS = (BEGIN, END)
+# texts the converted tokenizer must split exactly as llama.cpp does (digits, spaces, newlines, unicode)
+_CHECK_TEXTS = ("Natalia sold 48/2 = 24 clips in May.\n\nThe answer is \\boxed{72}.",
+                "  x^2+3x-10=0 → (x+5)(x−2)=0;\tπ≈3.14159 «ok» 日本 🙂")
+
+
+def load_weights(model: str | None) -> tuple[ModelSource, ModelConfig, dict]:
+    """``-m MODEL`` resolved and read: (source, configuration, float32 numpy tensors under HF names).
+
+    Raises:
+        UserError: the model is missing, corrupt or of an architecture zoomr's torch backend cannot run.
+    """
+    from zoomr.backends.torch.weights import load_gguf, load_hf_dir
+
+    try:
+        src = resolve_model(model)
+        cfg, tensors, _ = load_gguf(src.path) if src.kind == "gguf" else load_hf_dir(src.path)
+    except ValueError as e:
+        raise UserError(f"-m {model or 'default'}: {e}") from None
+    return src, cfg, tensors
+
+
+def write_tokenizer(src: ModelSource, out: Path) -> HFTokenizer:
+    """HF tokenizer files for ``src`` in ``out``, with :data:`DELIMITERS` as special tokens.
+
+    Returns:
+        the tokenizer read back by zoomr's :class:`HFTokenizer` (what ``zoomr solve -m DIR`` will use).
+    Raises:
+        UserError: the vocabulary cannot be converted, or the conversion tokenizes differently from llama.cpp.
+    """
+    try:
+        if src.kind == "gguf":
+            write_hf_tokenizer(src.path, out, DELIMITERS)
+        else:
+            add_special_tokens_to_dir(src.path, out, DELIMITERS)
+        tok = HFTokenizer(out)
+    except (ModelLoadError, ValueError) as e:
+        raise UserError(str(e)) from None
+    if src.kind == "gguf":
+        from zoomr.backends.tokenizer import LlamaCppTokenizer
+
+        ref = LlamaCppTokenizer(src.path)
+        for text in _CHECK_TEXTS:
+            if tok.encode(text, special=False) != ref.encode(text, special=False):
+                raise UserError(f"{src.path}: the converted tokenizer.json splits {text[:30]!r} differently from "
+                                "llama.cpp; give the model as a HF directory instead")
+    missing = [d for d in DELIMITERS if d not in tok.control_tokens]
+    if missing:
+        raise UserError(f"{src.name}: tokenizer could not take {missing[0]} as a special token")
+    return tok
+
+
+def delimiter_ids(tok: HFTokenizer) -> list[int]:
+    """Token ids of :data:`DELIMITERS` (begin, end) in ``tok``."""
+    return [tok.control_tokens[d].id for d in DELIMITERS]
+
+
+def transformers_model(cfg: ModelConfig, tensors: dict, vocab: int):
+    """A transformers causal LM holding ``tensors``, its embedding (and untied LM head) resized to ``vocab``
+    rows; the new rows start at the mean of the old ones (transformers' ``mean_resizing``).
+
+    Args:
+        cfg: zoomr's configuration; tensors: float32 numpy arrays under HF names; vocab: rows after resizing.
+    Returns:
+        the model, float32, in train mode.
+    Raises:
+        UserError: transformers (the ``finetune`` extra) is missing, or cannot build or fill this architecture.
+    """
+    import numpy as np
+    import torch
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UserError("zoomr finetune needs the finetune extra: pip install 'zoomr[finetune]'") from None
+    hf = cfg.to_hf()
+    model_type = hf.pop("model_type")
+    arch = hf.pop("architectures")
+    try:
+        tcfg = AutoConfig.for_model(model_type, **{k: v for k, v in hf.items() if v is not None})
+        tcfg.architectures = arch
+        model = AutoModelForCausalLM.from_config(tcfg, torch_dtype=torch.float32)
+    except Exception as e:  # transformers raises ValueError/KeyError/ImportError for what it cannot build
+        raise UserError(f"transformers cannot build a trainable {model_type} model ({type(e).__name__}: {e})") from None
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items() if k != "rope_freqs"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tied_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise UserError(f"transformers' {arch[0]} does not match zoomr's weights (missing: {missing[:2]}, "
+                        f"unexpected: {unexpected[:2]})")
+    if cfg.tied_embeddings:
+        model.tie_weights()
+    model.resize_token_embeddings(vocab, mean_resizing=True)
+    return model
+
+
+def merged_tensors(model, cfg: ModelConfig) -> tuple[ModelConfig, dict]:
+    """(configuration with the new vocabulary size, float32 numpy tensors) of a merged transformers model,
+    as :func:`zoomr.backends.torch.weights.write_hf_dir` writes them (no tied LM head copy)."""
+    sd = model.state_dict()
+    rows = sd["model.embed_tokens.weight"].shape[0]
+    tensors = {k: v.detach().float().cpu().numpy() for k, v in sd.items()
+               if not (cfg.tied_embeddings and k == "lm_head.weight")}
+    return replace(cfg, vocab=rows), tensors
