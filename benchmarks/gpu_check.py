@@ -15,9 +15,10 @@ weights (Qwen2.5-7B / R1-Distill-Qwen-7B shapes: 28 layers, 28 query heads, 4 KV
   * zoomr           ZoomR with the paper's §3.5 setting: 512-token prompt, regular segments of 250
                     tokens each followed by a 20-token delimited summary (``--summaries model``),
                     window 512, k = 2, c = 2; one recompute every 16 decode tokens.
-Our decoder runs one sequence per forward, so batch 16 is 16 sequences (forks of one prefilled
-sequence; full-gpu ones each prefilled) decoded round-robin: the memory is that of 16 sequences, the throughput is not that of a
-batched kernel; ms/step is one decode token for every sequence of the batch. Device KV memory = CUDA memory allocated beyond the weights (resident), and the peak
+  * rkv             R-KV with budget 2048 (evicts every 128 tokens above it).
+A batch of B is B sequences (forks of one prefilled sequence; full-gpu ones each prefilled) decoded by
+one batched forward per step (``Decoder.forward_batch``: projections over all B rows, attention per
+sequence over what its own cache selects); ms/step is one decode token for every sequence of the batch. Device KV memory = CUDA memory allocated beyond the weights (resident), and the peak
 beyond the weights while decoding (includes activations).
 
     python benchmarks/gpu_check.py [--ctx 16384] [--decode 16] [--json gpu_check.json]
@@ -34,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 GIB = 2 ** 30
+KINDS = ("full-gpu", "full-offloaded", "zoomr", "rkv")
+RKV_BUDGET = 2048   # R-KV's budget in part 2 (tokens), an eighth of the 16K context
 
 
 # -- part 1 -----------------------------------------------------------------------------------------
@@ -151,6 +154,7 @@ def build_context(kind: str, model, cfg, ctx: int, device) -> object:
     from zoomr.kvstore.base import FullKVCache
     from zoomr.kvstore.cache import PolicyKVCache
     from zoomr.kvstore.full import FullPolicy
+    from zoomr.kvstore.rkv import RKVPolicy
     from zoomr.kvstore.segments import BEGIN, END
     from zoomr.kvstore.zoomr import ZoomRPolicy
 
@@ -162,6 +166,8 @@ def build_context(kind: str, model, cfg, ctx: int, device) -> object:
 
     if kind == "full-gpu":
         cache = FullKVCache(L, Hkv, d, device, model.kv_dtype)
+    elif kind == "rkv":
+        cache = PolicyKVCache(RKVPolicy(RKV_BUDGET), L, H, Hkv, d, device, model.kv_dtype)
     elif kind == "full-offloaded":
         cache = PolicyKVCache(FullPolicy(), L, H, Hkv, d, device, model.kv_dtype, "stream")
     else:
@@ -180,24 +186,30 @@ def build_context(kind: str, model, cfg, ctx: int, device) -> object:
 
 
 def decode_bench(kind, model, cfg, ctx, batch, n_decode, device) -> dict:
-    base = torch.cuda.memory_allocated(device)
+    cuda = device.type == "cuda"
+    allocated = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: 0)
+    base = allocated()
     first = build_context(kind, model, cfg, ctx - n_decode, device)
     if kind == "full-gpu":
-        # FullKVCache.fork reserves exactly what it holds; prefill each so decode does not regrow them
+        # independent sequences, each prefilled: forks would share the prefix and understate their memory
         seqs = [first] + [build_context(kind, model, cfg, ctx - n_decode, device) for _ in range(batch - 1)]
     else:
         seqs = [first] + [first.fork() for _ in range(batch - 1)]
-    torch.cuda.synchronize(device)
-    resident = torch.cuda.memory_allocated(device) - base
-    torch.cuda.reset_peak_memory_stats(device)
-    tok = torch.zeros(1, dtype=torch.long, device=device)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    resident = allocated() - base
+    tok = torch.zeros(batch, dtype=torch.long, device=device)
     t = time.perf_counter()
-    for step in range(n_decode):
+    for step in range(n_decode):   # one batched forward per step: every sequence's next token
+        pos = torch.tensor([c.n_tokens for c in seqs], dtype=torch.long, device=device)
+        model.forward_batch(tok, pos, [1] * batch, seqs)
         for cache in seqs:
-            forward(model, cache, tok, "." if step % 16 == 15 else " w")
-    torch.cuda.synchronize(device)
+            cache.end_forward([0], "." if step % 16 == 15 else " w")
+    if cuda:
+        torch.cuda.synchronize(device)
     wall = time.perf_counter() - t
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else 0) - base
     st = seqs[0].stats()
     row = {"kind": kind, "batch": batch, "context": ctx, "tok_s": round(batch * n_decode / wall, 2),
            "ms_per_step": round(1e3 * wall / n_decode, 2),
@@ -219,7 +231,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctx", type=int, default=16384, help="context length at the end of decoding (tokens)")
     ap.add_argument("--decode", type=int, default=16, help="decode steps per sequence")
-    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes, e.g. 1,16,64")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -242,7 +254,7 @@ def main() -> None:
     print(f"{'kind':<16}{'batch':>6}{'tok/s':>9}{'ms/step':>12}{'KV resident GiB':>17}{'peak GiB':>10}"
           f"{'active/full tok':>17}")
     for batch in (int(b) for b in a.batches.split(",")):
-        for kind in ("full-gpu", "full-offloaded", "zoomr"):
+        for kind in KINDS:
             r = decode_bench(kind, model, cfg, a.ctx, batch, a.decode, device)
             rows.append(r)
             print(f"{kind:<16}{batch:>6}{r['tok_s']:>9.1f}{r['ms_per_step']:>12.1f}"
