@@ -90,9 +90,10 @@ class GenerationStats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
-class _Progress:
-    """One sequence's per-token bookkeeping, shared by :func:`generate` and :func:`generate_batch`:
-    EOS, the token limit, streaming text, the context cap and stop strings, in that order per token."""
+class SequenceProgress:
+    """One sequence's per-token bookkeeping, shared by :func:`generate`, :func:`generate_batch` and the
+    bench's continuous batching (``zoomr.evaluation.batching``): EOS, the token limit, streaming text, the
+    context cap and stop strings, in that order per token."""
 
     def __init__(self, backend: Backend, seq: Sequence, n_predict: int, stats: GenerationStats,
                  stop: tuple[str, ...]):
@@ -136,7 +137,8 @@ class _Progress:
         return False
 
 
-def _banned(backend: Backend, ignore_eos: bool) -> np.ndarray | None:
+def banned_ids(backend: Backend, ignore_eos: bool) -> np.ndarray | None:
+    """The ids ``--ignore-eos`` never samples (the tokenizer's end ids, int64 [k]), or None without it."""
     eos = backend.tokenizer.eos_ids
     return np.fromiter(eos, dtype=np.int64) if ignore_eos and eos else None
 
@@ -169,8 +171,8 @@ def generate(backend: Backend, seq: Sequence, prompt_ids: list[int], sampler: Sa
     elif logits is None:
         raise ValueError("generate needs prompt tokens or the sequence's next-token logits")
     stats.next_logits = logits
-    prog = _Progress(backend, seq, n_predict, stats, stop)
-    banned = _banned(backend, ignore_eos)
+    prog = SequenceProgress(backend, seq, n_predict, stats, stop)
+    banned = banned_ids(backend, ignore_eos)
     while prog.has_room():
         if banned is not None:
             masked = logits.copy()
@@ -233,8 +235,8 @@ def generate_batch(backend: Backend, seqs: list[Sequence], samplers: list[Sample
     rows = rows.expand(B, -1) if rows.dim() == 1 else rows
     if rows.shape[0] != B:
         raise ValueError(f"generate_batch needs [{B}, vocab] logits, got {tuple(rows.shape)}")
-    progs = [_Progress(backend, s, n_predict, st, stop) for s, st in zip(seqs, stats)]
-    banned = _banned(backend, ignore_eos)
+    progs = [SequenceProgress(backend, s, n_predict, st, stop) for s, st in zip(seqs, stats)]
+    banned = banned_ids(backend, ignore_eos)
     banned_t = None if banned is None else torch.from_numpy(banned)
     active = list(range(B))
 

@@ -28,7 +28,9 @@ from zoomr.evaluation.provenance import run_provenance
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, rescue_rows, rescue_warnings
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
 from zoomr.evaluation.bench_plan import MATCHED, plan_cells, validate_cells
-from zoomr.evaluation.cells import problem_prompt, run_cell, teacher_forced_fidelity
+from zoomr.evaluation.batching import CellRun, FidelityJob, GenerationJob, check_parallel, run_cell, run_cells
+from zoomr.evaluation.batching import teacher_forced_fidelity
+from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
 from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
@@ -119,6 +121,9 @@ def bench(
                                                "KV as budget (the paper's fair comparison).")] = False,
     fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="Teacher-forced fidelity to full KV.")] = True,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
+    n_parallel: Annotated[int, typer.Option("-np", "--parallel", help="Decode N sequences (cells of one or several "
+                                            "problems, fidelity passes included) together in one batched forward; "
+                                            "a finished one leaves and the next joins. Records equal -np 1's.")] = 1,
     show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
                                                 "(problems, source, fields) and exit.")] = False,
     *,
@@ -142,6 +147,8 @@ def bench(
         raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
     if opts.backend != "torch":
         raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
+    if n_parallel < 1:
+        raise UserError(f"-np must be >= 1 parallel sequence, got {n_parallel}")
     check_lengths(opts)
     budgets = sorted(set(budget or [knob_flags()["budget"].default]))
     if min(budgets) < 1:
@@ -177,6 +184,7 @@ def bench(
         ui.info(line)
     log = _open_log(out, config, resume)
     base = rescue_cells = None
+    prompts: dict[str, list[int]] = {}
     if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
         with ui.status("loading model…"):
             base = build_backend(replace(opts, policy=REFERENCE))
@@ -188,6 +196,7 @@ def bench(
         tokenizers = [base.tokenizer] + ([rescue_cells.helper.tokenizer] if rescue_cells is not None else [])
         prompts = {p.id: [problem_prompt(t, p, opts.ctx_size) for t in tokenizers][0] for p in problems
                    if any(record_key(p.id, c, b) not in log.done for c, b in cells)}
+        check_parallel(n_parallel, base, max(map(len, prompts.values())), opts.n_predict)
         # only now, with every model loaded, does the folder take this run's settings
         write_config(out / "config.json", config)
         # the loaded backend runs full KV (the reference); every cell swaps in its own policy
@@ -203,44 +212,49 @@ def bench(
     try:
         if live:
             live.start()
-        for problem in problems:
-            pending = [(p, b) for p, b in cells if record_key(problem.id, p, b) not in log.done]
-            if not pending:
-                progress.advance(task, len(cells))
-                continue
-            progress.advance(task, len(cells) - len(pending))
-            ids = prompts[problem.id]
-            reference = None
-            if fidelity and any(p not in ("full", RESCUE, BEST_OF_N) for p, _ in pending):
-                # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
-                pending = [("full", None)] + [c for c in pending if c[0] != "full"]
-            for policy, b in pending:
-                progress.update(task, description=f"{problem.id} · {policy}" + ("" if b is None else f" B={b}"))
-                budget_tokens = b
-                if policy in (RESCUE, BEST_OF_N):
-                    budget_tokens = _zoomr_record(log, problem.id)["mean_active_tokens"] if b == MATCHED else b
-                    budget_tokens = max(2, round(budget_tokens))
-                    rec = rescue_cells.run(policy, budget_tokens, problem, ids, opts.n_predict)
-                    built = None
-                elif b == MATCHED:
-                    rec = run_matched(base, opts, policy, problem, ids, sampling, reference, _zoomr_record(log, problem.id))
-                    budget_tokens, built = rec.pop("budget_tokens"), None
-                else:
-                    view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=b))
-                    rec, built = run_cell(view, problem, ids, sampling, opts.n_predict,
-                                          None if policy == "full" or not fidelity else reference,
-                                          keep_logits=policy == "full" and fidelity, ignore_eos=opts.ignore_eos)
-                if policy == "full":
-                    reference = built
-                if record_key(problem.id, policy, b) in log.done:
-                    continue  # a reference rerun, recorded before
-                log.append({"problem_id": problem.id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
-                            "gold": problem.gold, **rec})
-                if no_live:
-                    print(_plain(log.records[-1]), flush=True)
-                progress.advance(task)
-                if live:
-                    live.update(Group(progress, _table(summarize(log.records))))
+
+        def record(key: tuple, fields: dict, budget_tokens) -> None:
+            problem_id, policy, b = key
+            if record_key(problem_id, policy, b) in log.done:
+                return  # a reference rerun, recorded before
+            log.append({"problem_id": problem_id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
+                        "gold": golds[problem_id], **fields})
+            if no_live:
+                print(_plain(log.records[-1]), flush=True)
+            progress.advance(task)
+            if live:
+                live.update(Group(progress, _table(summarize(log.records))))
+
+        golds = {p.id: p.gold for p in problems}
+        later_kinds = any(p in (RESCUE, BEST_OF_N) or b == MATCHED for p, b in cells)
+        # matched and rescue cells run one by one after their problem's batched cells (they need its zoomr
+        # record and reference), so problems then go through the batch one at a time
+        for chunk in ([[p] for p in problems] if later_kinds else [problems]):
+            batch, later, references = [], {}, {}
+            for problem in chunk:
+                pending = [(p, b) for p, b in cells if record_key(problem.id, p, b) not in log.done]
+                progress.advance(task, len(cells) - len(pending))
+                if pending:
+                    batch += _problem_cells(base, opts, problem, prompts[problem.id], sampling, pending, fidelity,
+                                            references)
+                    later[problem.id] = [(p, b) for p, b in pending if p in (RESCUE, BEST_OF_N) or b == MATCHED]
+            progress.update(task, description=f"{len(batch)} cells · -np {n_parallel}")
+            run_cells(base, batch, n_parallel, lambda c: record(c.key, c.fields(), c.key[2]))
+            for problem in chunk:
+                ids = prompts.get(problem.id)
+                ref_job = references.get(problem.id)
+                reference = None if ref_job is None else ref_job.reference
+                for policy, b in later.get(problem.id, []):
+                    progress.update(task, description=f"{problem.id} · {policy} B={b}")
+                    if policy in (RESCUE, BEST_OF_N):
+                        budget_tokens = _zoomr_record(log, problem.id)["mean_active_tokens"] if b == MATCHED else b
+                        budget_tokens = max(2, round(budget_tokens))
+                        rec = rescue_cells.run(policy, budget_tokens, problem, ids, opts.n_predict)
+                    else:
+                        rec = run_matched(base, opts, policy, problem, ids, sampling, reference,
+                                          _zoomr_record(log, problem.id))
+                        budget_tokens = rec.pop("budget_tokens")
+                    record((problem.id, policy, b), rec, budget_tokens)
     finally:
         if live:
             live.stop()
@@ -261,6 +275,31 @@ def _print_datasets(plain: bool) -> None:
         return
     Output(live=True).out.print(_grid("data sets · source: shipped with zoomr, or the $ZOOMR_DATA file that "
                                       "overrides it", DATASET_COLUMNS, rows))
+
+
+def _problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pending: list, fidelity: bool,
+                   references: dict) -> list[CellRun]:
+    """The batched cells of one problem still to run: full KV first (made again, unrecorded, when it is
+    recorded but other cells need it as their fidelity reference), then each plain cell with its fidelity pass.
+    Matched and rescue cells are left to the caller; full KV's job goes into ``references[problem.id]``."""
+    plain = [(p, b) for p, b in pending if p not in (RESCUE, BEST_OF_N) and b != MATCHED]
+    # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
+    want_ref = fidelity and any(p not in (REFERENCE, RESCUE, BEST_OF_N) for p, _ in pending)
+    runs = []
+    full = None
+    if want_ref or (REFERENCE, None) in plain:
+        view = with_policy(base, replace(opts, policy=REFERENCE))
+        full = GenerationJob(view, problem, ids, sampling, opts.n_predict, keep_logits=want_ref,
+                             ignore_eos=opts.ignore_eos)
+        runs.append(CellRun((problem.id, REFERENCE, None), full))  # recorded only when not yet done
+        references[problem.id] = full
+    for policy, b in plain:
+        if policy == REFERENCE:
+            continue
+        view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=b))
+        gen = GenerationJob(view, problem, ids, sampling, opts.n_predict, ignore_eos=opts.ignore_eos)
+        runs.append(CellRun((problem.id, policy, b), gen, FidelityJob(view, ids, full) if want_ref else None))
+    return runs
 
 
 def _zoomr_record(log: RecordLog, problem_id: str) -> dict:
@@ -289,7 +328,7 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
     budget, simulated = predict_budget(spec, target, len(ids), n)
     while True:
         view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=budget))
-        rec, _ = run_cell(view, problem, ids, sampling, opts.n_predict, None, ignore_eos=opts.ignore_eos)
+        rec = run_cell(view, problem, ids, sampling, opts.n_predict, ignore_eos=opts.ignore_eos)
         err = match_error(rec["mean_active_tokens"], target)
         runs.append((abs(err), budget, simulated, err, rec, view))
         if abs(err) <= TOLERANCE or rec["tokens_generated"] == n or len(runs) == 2:

@@ -1,18 +1,16 @@
-"""Running one (problem, policy, budget) cell of ``zoomr bench``: a free-running generation for accuracy,
-memory and speed, then a teacher-forced pass over full KV's tokens for fidelity."""
+"""What one (problem, policy, budget) cell of ``zoomr bench`` records: its prompt, its record fields from a
+finished free-running generation (accuracy, memory, speed), and full KV's run as the fidelity yardstick.
+The generation and the teacher-forced fidelity pass themselves run in :mod:`zoomr.evaluation.batching`."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
-from zoomr.backends.base import Backend, KVStats
-from zoomr.backends.generation import GenerationStats, generate
-from zoomr.backends.sampling import Sampler, SamplingParams
+from zoomr.backends.base import KVStats
+from zoomr.backends.generation import GenerationStats
 
-from zoomr.evaluation.metrics import FidelityMeter
 from zoomr.evaluation.datasets import Problem
 from zoomr.errors import UserError
 from zoomr.grading import extract, grade
@@ -25,11 +23,12 @@ class Reference:
 
     Attributes:
         tokens: generated ids, [n].
-        logits: float32 [n, vocab]; row i is the distribution token i was sampled from.
+        logits: float32 [n, vocab] on the backend's device (fidelity is computed there); row i is the
+            distribution token i was sampled from.
     """
 
     tokens: list[int]
-    logits: np.ndarray
+    logits: torch.Tensor
 
 
 # the KVStats fields every record carries (see backends.base.KVStats); rescue records carry the base's
@@ -78,40 +77,22 @@ def breakpoints(points: list[tuple[int, int]]) -> list[list[int]]:
     return out
 
 
-def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: SamplingParams, n_predict: int,
-             reference: Reference | None, keep_logits: bool = False, ignore_eos: bool = False
-             ) -> tuple[dict, Reference | None]:
-    """Generate on ``backend`` (which carries the policy) and measure.
+def cell_record(problem: Problem, prompt: list[int], gen: GenerationStats, kv: KVStats,
+                points: list[tuple[int, int]], wall_s: float) -> dict:
+    """The record fields of one finished free-running generation.
 
     Args:
-        backend: a backend view whose new sequences use the policy under test.
-        prompt: prompt token ids (tokens).
-        reference: full KV's run; None for the full run itself (which then returns its Reference when
-            ``keep_logits``) or when fidelity is skipped.
-        ignore_eos: generate to ``n_predict`` without ever sampling EOS (see ``zoomr.backends.generation.generate``).
+        prompt: the prompt's ids (tokens); gen: what the generation did; kv: the sequence's KV at the end.
+        points: (generated tokens, active tokens) before each accepted token's decode.
+        wall_s: the cell's wall time (seconds), prefill included.
     Returns:
-        (record fields, the Reference built from this run or None). KV fields are those of
-        :data:`KV_FIELDS`; ``active_trace`` is the exact active-KV curve as breakpoints
-        ``[generated tokens, active tokens]`` (see :func:`breakpoints`).
+        answer, correctness and its audit fields, lengths, stop reason, the fields of :data:`KV_FIELDS`,
+        decode/prefill tokens/s, ``active_trace`` (:func:`breakpoints`), ``kv_extra``, ``text``, ``wall_s``.
     """
-    seq = backend.new_sequence()
-    gen = GenerationStats()
-    points: list[tuple[int, int]] = []
-    rows = []
-    t0 = time.perf_counter()
-    try:
-        for tok in generate(backend, seq, prompt, Sampler(sampling), n_predict, gen, ignore_eos=ignore_eos):
-            if keep_logits:
-                rows.append(tok.logits)
-            kv = backend.kv_stats(seq)
-            points.append((kv.full_tokens - len(prompt), kv.active_tokens))
-        kv = backend.kv_stats(seq)
-    finally:
-        backend.free(seq)
     # a run stopped by -n or -c may end mid-answer: the stricter extraction (a cut answer is no answer)
     found = extract(gen.text, truncated=gen.stop_reason in ("length", "context"))
     answer = found.answer
-    record = {
+    return {
         "answer": answer,
         "correct": grade(problem.gold, answer),
         "answer_source": found.source,
@@ -126,30 +107,5 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
         "active_trace": breakpoints(points),
         "kv_extra": kv.extra,
         "text": gen.text,
-        "wall_s": round(time.perf_counter() - t0, 3),
+        "wall_s": round(wall_s, 3),
     }
-    if reference is not None:
-        record.update(teacher_forced_fidelity(backend, prompt, reference))
-    built = Reference(gen.token_ids, np.stack(rows)) if keep_logits and rows else None
-    return record, built
-
-
-def teacher_forced_fidelity(backend: Backend, prompt: list[int], ref: Reference) -> dict:
-    """Feed full KV's tokens through the policy and compare next-token distributions position by position.
-
-    Same code path as generation (prefill, then one decode per token), so only the KV policy differs.
-
-    Returns:
-        ``{"fidelity_top1": fraction, "fidelity_kl": nats/token, "fidelity_tokens": n}``.
-    """
-    meter = FidelityMeter()
-    seq = backend.new_sequence()
-    try:
-        logits = backend.prefill(seq, prompt)
-        for i, token in enumerate(ref.tokens):
-            meter.add(ref.logits[i], logits)
-            if i + 1 < len(ref.tokens):
-                logits = backend.decode(seq, token)
-    finally:
-        backend.free(seq)
-    return meter.result()

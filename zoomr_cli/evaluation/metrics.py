@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
+import torch
+
+
+def fidelity_terms(full_logits, policy_logits) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: KL(full ‖ policy) in nats and whether both argmaxes agree, where the logits live.
+
+    Args:
+        full_logits, policy_logits: float [F, vocab] (torch tensors on one device, or numpy), row f of each
+            the next-token logits of one position under the same token history.
+    Returns:
+        (kl [F] float64, agree [F] bool), both on the logits' device (the first maximum wins ties, as
+        numpy's argmax).
+    """
+    full, policy = torch.as_tensor(full_logits), torch.as_tensor(policy_logits)
+    p = torch.log_softmax(full.double(), dim=-1)
+    q = torch.log_softmax(policy.double(), dim=-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    return kl, full.argmax(-1) == policy.argmax(-1)
 
 
 class FidelityMeter:
-    """Running top-1 agreement and KL(full ‖ policy) over teacher-forced positions.
+    """Running top-1 agreement and KL(full ‖ policy) over teacher-forced positions, summed on the device the
+    logits live on: only the final numbers cross to the host (:meth:`result`).
 
     Each :meth:`add` compares one position's logits (float [vocab] each) from full KV and from the
     policy under the same token history. KL is in nats.
@@ -20,25 +38,23 @@ class FidelityMeter:
         self.agree = 0
         self.kl_sum = 0.0
 
-    def add(self, full_logits: np.ndarray, policy_logits: np.ndarray) -> None:
-        """Accumulate one position."""
-        p = _log_softmax(full_logits)
-        q = _log_softmax(policy_logits)
-        self.kl_sum += float((np.exp(p) * (p - q)).sum())
-        self.agree += int(np.argmax(full_logits) == np.argmax(policy_logits))
+    def add(self, full_logits, policy_logits) -> None:
+        """Accumulate one position (numpy or torch [vocab] rows)."""
+        kl, agree = fidelity_terms(torch.as_tensor(full_logits)[None], torch.as_tensor(policy_logits)[None])
+        self.accumulate(kl[0], agree[0])
+
+    def accumulate(self, kl: torch.Tensor, agree: torch.Tensor) -> None:
+        """Accumulate one position from its :func:`fidelity_terms` (0-d tensors; no host transfer)."""
+        self.kl_sum = self.kl_sum + kl
+        self.agree = self.agree + agree.long()
         self.n += 1
 
     def result(self) -> dict:
         """``{"fidelity_top1", "fidelity_kl", "fidelity_tokens"}`` (None when nothing was compared)."""
         if not self.n:
             return {"fidelity_top1": None, "fidelity_kl": None, "fidelity_tokens": 0}
-        return {"fidelity_top1": self.agree / self.n, "fidelity_kl": self.kl_sum / self.n, "fidelity_tokens": self.n}
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - m - math.log(np.exp(x - m).sum())
+        return {"fidelity_top1": int(self.agree) / self.n, "fidelity_kl": float(self.kl_sum) / self.n,
+                "fidelity_tokens": self.n}
 
 
 def _mean(vals):
