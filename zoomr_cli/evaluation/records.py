@@ -177,3 +177,32 @@ def write_config(path: Path, config: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+TIMING_FIELDS = ("decode_tok_s", "prefill_tok_s", "wall_s")  # seconds-derived: differ run to run
+
+
+def record_differences(a: list[dict], b: list[dict], kl_rel: float = 1e-4) -> list[str]:
+    """How two benches' records of the same cells differ, in any order, timings (:data:`TIMING_FIELDS`) aside.
+
+    ``fidelity_kl`` may differ by ``kl_rel`` relative (and 1e-9 nats): a float64 sum over logits whose last
+    bits depend on the batch's matmul shapes, which is what ``-np`` changes.
+
+    Returns:
+        one line per difference (a cell only one side has, a field that differs), empty when they agree.
+    """
+    ka = {record_key(r["problem_id"], r["policy"], r["budget"]): r for r in a}
+    kb = {record_key(r["problem_id"], r["policy"], r["budget"]): r for r in b}
+    out = [f"{k}: only in the {side}" for k, side in [(k, "first") for k in ka.keys() - kb.keys()]
+           + [(k, "second") for k in kb.keys() - ka.keys()]]
+    if len(ka) != len(a) or len(kb) != len(b):
+        out.append("a cell is recorded twice")
+    for k in ka.keys() & kb.keys():
+        for field in sorted(ka[k].keys() | kb[k].keys()):
+            x, y = ka[k].get(field), kb[k].get(field)
+            if field in TIMING_FIELDS or x == y:
+                continue
+            if field == "fidelity_kl" and _number(x) and _number(y) and abs(x - y) <= max(1e-9, kl_rel * abs(x)):
+                continue
+            out.append(f"{k} {field}: {x!r} vs {y!r}")
+    return sorted(out)
