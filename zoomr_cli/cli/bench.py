@@ -236,7 +236,7 @@ def bench(
                 progress.advance(task, len(cells) - len(pending))
                 if pending:
                     batch += _problem_cells(base, opts, problem, prompts[problem.id], sampling, pending, fidelity,
-                                            references)
+                                            references if later_kinds else None)
                     later[problem.id] = [(p, b) for p, b in pending if p in (RESCUE, BEST_OF_N) or b == MATCHED]
             progress.update(task, description=f"{len(batch)} cells · -np {n_parallel}")
             run_cells(base, batch, n_parallel, lambda c: record(c.key, c.fields(), c.key[2]))
@@ -281,7 +281,8 @@ def _problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pe
                    references: dict) -> list[CellRun]:
     """The batched cells of one problem still to run: full KV first (made again, unrecorded, when it is
     recorded but other cells need it as their fidelity reference), then each plain cell with its fidelity pass.
-    Matched and rescue cells are left to the caller; full KV's job goes into ``references[problem.id]``."""
+    Matched and rescue cells are left to the caller; full KV's job goes into ``references[problem.id]``
+    (None: no caller needs it after the batch, so its logits are released as soon as fidelity is done)."""
     plain = [(p, b) for p, b in pending if p not in (RESCUE, BEST_OF_N) and b != MATCHED]
     # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
     want_ref = fidelity and any(p not in (REFERENCE, RESCUE, BEST_OF_N) for p, _ in pending)
@@ -290,9 +291,10 @@ def _problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pe
     if want_ref or (REFERENCE, None) in plain:
         view = with_policy(base, replace(opts, policy=REFERENCE))
         full = GenerationJob(view, problem, ids, sampling, opts.n_predict, keep_logits=want_ref,
-                             ignore_eos=opts.ignore_eos)
+                             ignore_eos=opts.ignore_eos, hold_reference=references is not None)
         runs.append(CellRun((problem.id, REFERENCE, None), full))  # recorded only when not yet done
-        references[problem.id] = full
+        if references is not None:
+            references[problem.id] = full
     for policy, b in plain:
         if policy == REFERENCE:
             continue

@@ -39,13 +39,15 @@ class GenerationJob:
         n_predict: most tokens to generate (tokens); < 0 until EOS or ``-c``.
         keep_logits: keep every sampled row on the device, to become :attr:`reference` (full KV's run).
         ignore_eos: never sample an end id (``--ignore-eos``).
+        hold_reference: keep :attr:`reference` after the last :class:`FidelityJob` reading it is done (a
+            caller that needs it later); without it the [n, vocab] rows are released then.
     Attributes:
         record: the cell's record fields (:func:`zoomr.evaluation.cells.cell_record`) once done.
         reference: with ``keep_logits``, the run as a :class:`Reference` (logits [n, vocab] on the device).
     """
 
     def __init__(self, backend: Backend, problem: Problem, prompt: list[int], sampling: SamplingParams,
-                 n_predict: int, keep_logits: bool = False, ignore_eos: bool = False):
+                 n_predict: int, keep_logits: bool = False, ignore_eos: bool = False, hold_reference: bool = False):
         self.backend, self.problem, self.prompt = backend, problem, prompt
         self.sampler, self.n_predict, self.keep_logits = Sampler(sampling), n_predict, keep_logits
         self.banned = banned_ids(backend, ignore_eos)
@@ -54,6 +56,7 @@ class GenerationJob:
         self.rows: list[torch.Tensor] = []
         self.record: dict | None = None
         self.reference: Reference | None = None
+        self.hold_reference, self.readers = hold_reference, 0  # readers: fidelity jobs not done yet
         self.done = False
         self.cell = None  # the CellRun this job belongs to (set by run_cells)
 
@@ -110,6 +113,8 @@ class FidelityJob:
 
     def __init__(self, backend: Backend, prompt: list[int], source: "Reference | GenerationJob"):
         self.backend, self.prompt, self.source = backend, prompt, source
+        if isinstance(source, GenerationJob):
+            source.readers += 1
         self.meter = FidelityMeter()
         self.i = 0
         self.result: dict | None = None
@@ -146,6 +151,12 @@ class FidelityJob:
     def finish(self) -> None:
         self.backend.free(self.seq)
         self.result, self.done = self.meter.result(), True
+        if isinstance(self.source, GenerationJob):
+            # N problems' references on the device, not every problem's: the last reader releases them
+            self.source.readers -= 1
+            if not self.source.readers and not self.source.hold_reference:
+                self.source.reference = None
+        self.source = None
 
 
 Job = GenerationJob | FidelityJob
