@@ -337,7 +337,7 @@ def check_parallel(n_parallel: int, backend, longest_prompt: int, n_predict: int
     reference, kept on the device); N of them must fit in what the device has free.
 
     Args:
-        n_parallel: ``-np``; backend: the loaded torch backend (shapes, dtype, device).
+        n_parallel: ``-np``; backend: the loaded torch backend (shapes, KV dtype, device).
         longest_prompt: the longest prompt to run (tokens); n_predict: ``-n`` (< 0: up to ``-c``).
     Raises:
         UserError: ``-np`` below 1, or N sequences that need more memory than is free (numbers named).
@@ -350,7 +350,7 @@ def check_parallel(n_parallel: int, backend, longest_prompt: int, n_predict: int
     cfg = backend.cfg
     generated = backend.n_ctx - longest_prompt if n_predict < 0 else min(n_predict, backend.n_ctx - longest_prompt)
     positions = longest_prompt + generated
-    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * torch.empty(0, dtype=backend.dtype).element_size()
+    kv = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2 * torch.empty(0, dtype=backend.kv_dtype).element_size()
     need = n_parallel * (positions * kv + generated * cfg.vocab * 4)
     if need > free:
         fits = max(1, n_parallel * free // need)
