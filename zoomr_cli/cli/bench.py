@@ -123,7 +123,8 @@ def bench(
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
     n_parallel: Annotated[int, typer.Option("-np", "--parallel", help="Decode N sequences (cells of one or several "
                                             "problems, fidelity passes included) together in one batched forward; "
-                                            "a finished one leaves and the next joins. Records equal -np 1's.")] = 1,
+                                            "a finished one leaves and the next joins. Records equal -np 1's. Each "
+                                            "sequence has its own cache: N is bounded by free memory, not -c.")] = 1,
     show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
                                                 "(problems, source, fields) and exit.")] = False,
     *,

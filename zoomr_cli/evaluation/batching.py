@@ -291,16 +291,15 @@ def run_cells(base: Backend, cells: list[CellRun], n_parallel: int, on_cell: Cal
 
 
 def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: SamplingParams, n_predict: int,
-             reference: Reference | None = None, ignore_eos: bool = False) -> dict:
-    """One cell alone: its generation, then its fidelity to ``reference`` (full KV's run; None: none).
+             ignore_eos: bool = False) -> dict:
+    """One cell's generation alone (no fidelity: :func:`teacher_forced_fidelity` measures it after).
 
     Returns:
-        the record fields (:meth:`CellRun.fields`).
+        the record fields (:func:`zoomr.evaluation.cells.cell_record`).
     """
     gen = GenerationJob(backend, problem, prompt, sampling, n_predict, ignore_eos=ignore_eos)
-    cell = CellRun(("", "", None), gen, None if reference is None else FidelityJob(backend, prompt, reference))
-    run_cells(backend, [cell], 1, lambda c: None)
-    return cell.fields()
+    run_batched(backend, [gen], 1)
+    return gen.record
 
 
 def teacher_forced_fidelity(backend: Backend, prompt: list[int], reference: Reference) -> dict:
