@@ -210,10 +210,13 @@ class TorchBackend:
         t_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, start + len(ids), dtype=torch.long, device=self.device)
         logits = self.model.forward(t_ids, pos, seq.cache, all_logits=all_logits)
-        # only segment-tracking policies read the text: the others skip a detokenization per token
-        seq.cache.end_forward(ids, self.tokenizer.decode(ids) if getattr(seq.cache, "needs_text", True) else "")
+        seq.cache.end_forward(ids, self._text(seq, ids))
         seq.tokens.extend(ids)
         return logits.cpu().numpy()
+
+    def _text(self, seq: TorchSequence, ids: list[int]) -> str:
+        # only segment-tracking policies read the text: the others skip a detokenization per token
+        return self.tokenizer.decode(ids) if getattr(seq.cache, "needs_text", True) else ""
 
     def prefill(self, seq: TorchSequence, ids: list[int], all_logits: bool = False) -> np.ndarray:
         """See :meth:`zoomr.backends.base.Backend.prefill`. Raises ValueError when ``-c`` would be exceeded."""
@@ -264,7 +267,7 @@ class TorchBackend:
         logits = self.model.forward_batch(t_ids, t_pos, [len(ids) for ids in ids_list], [s.cache for s in seqs],
                                           all_logits=all_logits, attention=attention)
         for seq, ids in zip(seqs, ids_list):
-            seq.cache.end_forward(ids, self.tokenizer.decode(ids))
+            seq.cache.end_forward(ids, self._text(seq, ids))
             seq.tokens.extend(ids)
         return logits
 
