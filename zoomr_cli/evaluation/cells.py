@@ -140,7 +140,8 @@ def teacher_forced_fidelity(backend: Backend, prompt: list[int], ref: Reference)
     Same code path as generation (prefill, then one decode per token), so only the KV policy differs.
 
     Returns:
-        ``{"fidelity_top1": fraction, "fidelity_kl": nats/token, "fidelity_tokens": n}``.
+        ``{"fidelity_top1": fraction, "fidelity_kl": nats/token, "fidelity_tokens": n,
+        "fidelity_mean_active_tokens": the teacher-forced pass's own time-averaged active KV (tokens)}``.
     """
     meter = FidelityMeter()
     seq = backend.new_sequence()
@@ -150,6 +151,7 @@ def teacher_forced_fidelity(backend: Backend, prompt: list[int], ref: Reference)
             meter.add(ref.logits[i], logits)
             if i + 1 < len(ref.tokens):
                 logits = backend.decode(seq, token)
+        mean_active = backend.kv_stats(seq).mean_active_tokens
     finally:
         backend.free(seq)
-    return meter.result()
+    return {**meter.result(), "fidelity_mean_active_tokens": round(mean_active, 2)}
