@@ -54,15 +54,18 @@ def main() -> None:
     ap.add_argument("--segment-tokens", default="48,96,192", help="comma-separated --segment-tokens values")
     ap.add_argument("--baselines", default="streaming,h2o", help="policies matched to each ZoomR run")
     ap.add_argument("--window", type=int, default=None, help="ZoomR --window (default: its own)")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     ap.add_argument("--json", default=None, help="write the results here (- for stdout)")
     args = ap.parse_args()
-    model = zoomr.load(ctx_size=args.n + 1024)
+    model = zoomr.load(ctx_size=args.n + 1024, threads=args.threads)
     _, problems = zoomr.load_problems("math500", args.limit)
     greedy = SamplingParams(temperature=0.0).validate()
     rows = []
     for problem in problems:
         prompt = problem_prompt(model.tokenizer, problem, model.n_ctx)
+        t0 = time.perf_counter()
         _, ref = run_cell(model, problem, prompt, greedy, args.n, None, keep_logits=True, ignore_eos=True)
+        print(f"{problem.id}: full KV {len(ref.tokens)} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
         full_tokens = len(prompt) + len(ref.tokens)
         for seg in [int(x) for x in args.segment_tokens.split(",")]:
             knobs = {"segment_tokens": seg} | ({"window": args.window} if args.window else {})
@@ -74,7 +77,7 @@ def main() -> None:
                 budget, _ = predict_budget(PolicySpec(name), target, len(prompt), len(ref.tokens))
                 row[name] = {**fidelity(model, PolicySpec(name, budget), prompt, ref), "budget": budget}
             rows.append(row)
-            line = " · ".join(f"{p} KV {row[p]['fidelity_mean_active_tokens']:.0f} top1 {row[p]['fidelity_top1']:.3f} "
+            line = " · ".join(f"{p} ({row[p]['wall_s']:.0f} s) KV {row[p]['fidelity_mean_active_tokens']:.0f} top1 {row[p]['fidelity_top1']:.3f} "
                               f"KL {row[p]['fidelity_kl']:.4f}" for p in ["zoomr", *args.baselines.split(",")])
             print(f"{problem.id} seg {seg}: {line} · saving {row['measured_saving']}× "
                   f"(§3.5 formula {z['extra'].get('saving_formula')}×)", flush=True)

@@ -154,14 +154,16 @@ class ZoomRPolicy(SegmentedPolicy):
                 "ag_recomputes": len(ag), **self._formula()}
 
     def _formula(self) -> dict:
-        """§3.5's MS on this run's measured lengths (at the last recompute), and its inputs."""
+        """§3.5's MS on this run's measured lengths (at the last recompute), and its inputs. N_w is the
+        window as far as it is filled (min(w, N_g)): the paper's N_g ≫ N_w does not hold in a short run."""
         segs = self.tracker.segments
         if self.n_prompt is None or not segs:
             return {}
-        inputs = {"n_prompt": self.n_prompt, "n_generated": self.end - self.n_prompt, "consensus": self.consensus,
+        generated = self.end - self.n_prompt
+        inputs = {"n_prompt": self.n_prompt, "n_generated": generated, "consensus": self.consensus,
                   "mean_regular": round(statistics.fmean(len(s.regular) for s in segs), 2),
                   "mean_summary": round(statistics.fmean(len(s.summary) for s in segs), 2),
-                  "n_voted": self.voted_last, "window": self.window}
+                  "n_voted": self.voted_last, "window": min(self.window, generated)}
         return {"saving_formula": round(memory_saving_formula(**inputs), 3), "formula_inputs": inputs}
 
     def describe(self) -> str:

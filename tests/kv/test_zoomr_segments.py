@@ -84,3 +84,10 @@ def test_zoomr_reports_the_formula_on_its_own_measured_lengths():
     assert inputs == {"n_prompt": N_PROMPT, "n_generated": len(texts), "consensus": 2, "mean_regular": 3.0,
                       "mean_summary": 3.0, "n_voted": policy.voted_last, "window": 8}
     assert st["saving_formula"] == pytest.approx(memory_saving_formula(**inputs), abs=1e-3)
+
+
+def test_the_formula_counts_only_the_filled_part_of_the_window_in_a_short_run():
+    policy = ZoomRPolicy(64, 2, 2, "auto", segment_tokens=6)
+    texts = paragraphs(4)
+    drive(policy, texts, N_PROMPT)
+    assert policy.stats()["formula_inputs"]["window"] == len(texts)     # 12 generated < w = 64
