@@ -30,7 +30,7 @@ WINDOW = 128
 WINDOW_SOURCE = "ZoomR's analysis: 512 at 16K tokens; 128 suits short generations"
 # the longest block of --summaries auto/prompted (tokens) and where it comes from
 SEGMENT_TOKENS = 96
-SEGMENT_SOURCE = "measured on the embedded model, MATH500"
+SEGMENT_SOURCE = "benchmarks/segment_sweep.py: 48, 96, 192 tried on the embedded model, MATH500"
 
 
 class SegmentedPolicy(KVPolicy, abc.ABC):
