@@ -51,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=1024, help="tokens full KV generates per problem")
     ap.add_argument("--limit", type=int, default=3, help="MATH500 problems")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N of them (to add problems to a run)")
     ap.add_argument("--segment-tokens", default="48,96,192", help="comma-separated --segment-tokens values")
     ap.add_argument("--baselines", default="streaming,h2o", help="policies matched to each ZoomR run")
     ap.add_argument("--window", type=int, default=None, help="ZoomR --window (default: its own)")
@@ -59,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     model = zoomr.load(ctx_size=args.n + 1024, threads=args.threads)
     _, problems = zoomr.load_problems("math500", args.limit)
+    problems = problems[args.skip:]
     greedy = SamplingParams(temperature=0.0).validate()
     rows = []
     for problem in problems:
