@@ -70,8 +70,15 @@ def window_knob(default: int | None, source: str, help: str = "recent window w: 
 
 def summaries_knob() -> Any:
     """``--summaries``: how segments are found (see :mod:`zoomr.kvstore.segments`)."""
-    return knob("auto", "segments: model (delimiters the model writes), prompted, auto (paragraphs when none "
+    return knob("auto", "segments: model (delimiters the model writes), prompted, auto (bounded blocks when none "
                 "appear)", choices=SUMMARY_MODES, source="for models not fine-tuned to summarize")
+
+
+def segment_tokens_knob(default: int, source: str) -> Any:
+    """``--segment-tokens``: the longest block of ``--summaries auto``/``prompted`` (tokens, ≥ 1)."""
+    return knob(default, "longest segment when the model writes no summaries: blocks close at a paragraph end "
+                "from a third of it, else are cut at a sentence or line end by this length (tokens)", minimum=1,
+                tokens=True, source=source)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,11 @@ Source: ZoomR paper §3.3–3.4 and Algorithm 1. The selection is
 where I_p is the prompt (the sequence's first forward, kept whole as the attention sink) and I_w the
 last ``window`` generated positions. It is recomputed only after a token whose text ends at a
 semantic boundary (:func:`zoomr.kvstore.segments.ends_at_boundary`); in between, new tokens are appended to
-the active set and attended. Generated tokens that are neither in the window nor in a chosen segment
-(the older part of a model-mode segment still being written) wait until their segment closes.
+the active set and attended. The segment still being written (and, in ``model`` mode, the regular
+segment whose summary is being written) is kept whole beside the window, as the paper's I_w covers it
+(§3.3: the recent window holds the tokens being reasoned over): a 250-token paragraph and its summary
+must not lose their start to a 128-token window. In ``auto``/``prompted`` mode that part is at most
+``segment_tokens`` long; in ``model`` mode it lasts until the model writes a summary.
 Subclasses decide which segments are zoomed and which are summarized (:meth:`choose`).
 """
 
@@ -25,33 +28,41 @@ from .segments import Segment, SegmentTracker, ends_at_boundary
 # SumR's and ZoomR's default --window (tokens) and where it comes from
 WINDOW = 128
 WINDOW_SOURCE = "ZoomR's analysis: 512 at 16K tokens; 128 suits short generations"
+# the longest block of --summaries auto/prompted (tokens) and where it comes from
+SEGMENT_TOKENS = 96
+SEGMENT_SOURCE = "benchmarks/segment_sweep.py: 48, 96, 192 tried on the embedded model, MATH500"
 
 
 class SegmentedPolicy(KVPolicy, abc.ABC):
     """Base of SumR and ZoomR.
 
     Args:
-        window: w, recent generated positions always kept (tokens, ≥ 1); also the longest paragraph
-            segment in ``auto`` mode, so the segment being written fits the window.
+        window: w, recent generated positions always kept (tokens, ≥ 1).
         summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
+        segment_tokens: the longest block in ``auto``/``prompted`` mode (tokens, ≥ 1); blocks close at a
+            paragraph end from a third of it (:func:`zoomr.kvstore.segments.default_min_segment`).
     Raises:
-        ValueError: window < 1 or an unknown summaries mode.
+        ValueError: window < 1, segment_tokens < 1 or an unknown summaries mode.
     """
 
     needs_text = True  # segments close on the text written
     restores_evicted = True  # a segment left as its summary is zoomed in again when the votes pick it
 
-    def __init__(self, window: int = 128, summaries: str = "auto"):
+    def __init__(self, window: int = WINDOW, summaries: str = "auto", segment_tokens: int = SEGMENT_TOKENS):
         if window < 1:
             raise ValueError(f"{self.name}: --window must be at least 1 token, got {window}")
+        if segment_tokens < 1:
+            raise ValueError(f"{self.name}: --segment-tokens must be at least 1 token, got {segment_tokens}")
         self.window = window
-        self.tracker = SegmentTracker(summaries, max_segment=window)
+        self.tracker = SegmentTracker(summaries, max_segment=segment_tokens)
         self.n_prompt: int | None = None
+        self.end = 0                       # positions written so far (prompt + generated)
         self.recomputes = 0
         self._tail = ""
 
     def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
         """Track segments; at a semantic boundary, choose segments and return the new selection."""
+        self.end = fwd.end
         if self.n_prompt is None:
             self.n_prompt = fwd.end
             return None
@@ -62,7 +73,8 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         if not ends_at_boundary(self._tail):
             return None
         zoomed, summarized, votes = self.choose()
-        keep = set(range(self.n_prompt)) | set(range(max(self.n_prompt, fwd.end - self.window), fwd.end))
+        recent = min(fwd.end - self.window, self.tracker.open_start)
+        keep = set(range(self.n_prompt)) | set(range(max(self.n_prompt, recent), fwd.end))
         segs = self.tracker.segments
         for i in zoomed:
             keep.update(segs[i].regular)

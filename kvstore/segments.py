@@ -7,15 +7,26 @@ Source: ZoomR paper §3.2–3.3 (delimiters ``<|begin_of_summary|>`` / ``<|end_o
 before a summary since the previous one) and Appendix A.3 (semantic boundaries).
 
 Modes (``--summaries``):
-    ``model``     only summaries the model writes between the delimiters make segments.
+    ``model``     only summaries the model writes between the delimiters make segments. The mean key of
+                  S_i averages all of its tokens, delimiters included (the paper's fine-tuned models write
+                  them as two special tokens).
     ``prompted``  as ``auto``; the caller also adds :data:`SUMMARY_INSTRUCTION` to the prompt.
-    ``auto``      paragraph segments (text up to a ``\\n\\n``) until the model writes a delimiter, then
-                  delimited summaries. A paragraph segment has no written summary: its stand-in is an
-                  extractive one, a few of its own first and last tokens (:func:`stand_in`), and its
-                  representative key is the mean of all its keys. A paragraph that reaches
-                  ``max_segment`` tokens is cut at its last line break (or there, when it has none), so
-                  the segment being written never outgrows the recent window the policies keep.
-Delimiters are found on the detokenized stream, so they may span several tokens.
+    ``auto``      blocks of bounded length (``min_segment``..``max_segment`` tokens) until the model writes a
+                  delimiter, then delimited summaries. A block closes at the first paragraph end (``\\n\\n``)
+                  once it holds ``min_segment`` tokens; when it reaches ``max_segment`` tokens without one it
+                  is cut at its best edge whose length lies in [min, max]: a paragraph end, else a sentence
+                  end (``. ! ? :`` followed by white space), else a line end, the latest of the strongest
+                  kind, else a hard cut at ``max_segment``. So a model that writes no paragraphs (the
+                  embedded one) still gets segments of a useful size, and retrieval over them works like
+                  block-level retrieval (InfLLM's memory units, Quest's pages) with ZoomR's voting on top.
+                  A block has no written summary: its representative key is the mean of all its keys, and
+                  its stand-in (what plays the summary's part when it is voted for but not zoomed in) is
+                  extractive, a few of its own first and last tokens (:func:`stand_in`).
+                  Delimited summaries in ``auto``/``prompted`` are plain text split over many tokens, so
+                  their mean key averages the summary's content tokens only (``Segment.content``): the
+                  ~10 tokens of each delimiter would otherwise dominate a one-sentence summary's mean.
+Delimiters are found on the detokenized stream, so they may span several tokens. Segment edges fall on
+push edges (a forward of several tokens is never split), so a multi-token push may overshoot the bounds.
 """
 
 from __future__ import annotations
@@ -27,6 +38,9 @@ BEGIN = "<|begin_of_summary|>"
 END = "<|end_of_summary|>"
 SUMMARY_MODES = ("model", "prompted", "auto")
 BOUNDARY_SUFFIXES = (".", "!", "?", "...", ":", "\n\n", "\n\n\n")
+SENTENCE_ENDS = (".", "!", "?", ":")
+# edge kinds, strongest first wins when a block is cut (see :func:`edge_strength`)
+PARAGRAPH_EDGE, SENTENCE_EDGE, LINE_EDGE, NO_EDGE = 3, 2, 1, 0
 SUMMARY_INSTRUCTION = (
     f"Reason in short paragraphs. After each paragraph, write a one-sentence summary of it between "
     f"{BEGIN} and {END}, then continue."
@@ -41,12 +55,33 @@ def ends_at_boundary(text: str) -> bool:
     return text.rstrip(" \t").endswith(BOUNDARY_SUFFIXES)
 
 
+def edge_strength(left: str, right: str) -> int:
+    """How good a segment edge between the text ``left`` and the next token's text ``right`` is.
+
+    Returns :data:`PARAGRAPH_EDGE` (two or more line breaks in the white space at the edge),
+    :data:`SENTENCE_EDGE` (``left`` ends with ``. ! ? :`` and white space follows, so ``3.5`` is none),
+    :data:`LINE_EDGE` (one line break) or :data:`NO_EDGE`. Source: ZoomR App. A.3's boundaries, ranked.
+    """
+    stripped = left.rstrip()
+    space = left[len(stripped):] + right[:len(right) - len(right.lstrip())]
+    if space.count("\n") >= 2:
+        return PARAGRAPH_EDGE
+    if space and stripped.endswith(SENTENCE_ENDS):
+        return SENTENCE_EDGE
+    return LINE_EDGE if "\n" in space else NO_EDGE
+
+
+def default_min_segment(max_segment: int) -> int:
+    """The shortest block that closes at a paragraph end: ⌈max/3⌉ tokens (96 → 32)."""
+    return -(-max_segment // 3)
+
+
 def stand_in(regular: range) -> tuple[int, ...]:
-    """Extractive stand-in of a paragraph segment: its first ⌈m/2⌉ and last ⌊m/2⌋ positions.
+    """Extractive stand-in of a block (``auto`` segment): its first ⌈m/2⌉ and last ⌊m/2⌋ positions.
 
     m = clamp(len/8, 4, 16) tokens (never more than the segment): about the 8% summary/segment
     length ratio of the paper's example (L̄_S = 20, L̄_R = 250, §3.5). The first tokens say what the
-    paragraph does, the last ones usually state its result.
+    block does, the last ones usually state its result.
     """
     n = len(regular)
     m = min(n, max(4, min(16, n // 8)))
@@ -63,8 +98,11 @@ class Segment:
         regular: positions of R_i (contiguous; may be empty when a summary follows a summary).
         summary: positions of S_i: the delimited summary (``kind == "model"``, delimiters included)
             or the extractive stand-in (``kind == "paragraph"``, a subset of ``regular``).
-        kind: ``"model"`` or ``"paragraph"``.
+        kind: ``"model"`` (a delimited summary) or ``"paragraph"`` (a block of ``auto`` mode: a
+            paragraph, a group of sentences or lines, or a hard cut).
         text: text of R_i (for display).
+        content: the positions of S_i holding the summary's own text, without the delimiters' tokens;
+            set only where the mean key averages them (delimited summaries in ``auto``/``prompted``).
     """
 
     index: int
@@ -72,12 +110,15 @@ class Segment:
     summary: tuple[int, ...]
     kind: str
     text: str = ""
+    content: tuple[int, ...] | None = None
 
     @property
     def key_positions(self) -> tuple[int, ...]:
-        """Positions whose mean key represents the segment: S_i for model summaries (paper §3.3),
-        all of R_i for paragraph segments (they have no written summary)."""
-        return self.summary if self.kind == "model" else tuple(self.regular)
+        """Positions whose mean key represents the segment: S_i for model summaries (paper §3.3; its
+        content tokens when :attr:`content` is set), all of R_i for blocks (no written summary)."""
+        if self.kind != "model":
+            return tuple(self.regular)
+        return self.content or self.summary
 
 
 @dataclass(frozen=True)
@@ -110,6 +151,11 @@ class _Open:
         """Offset of ``needle`` in the text, searching only what could contain it after char ``since``."""
         return self.text.find(needle, max(0, since - len(needle) + 1))
 
+    def text_before(self, i: int, chars: int) -> str:
+        """The last ``chars`` characters of the text before chunk ``i``."""
+        end = self._ends[i - 1] if i else 0
+        return self.text[max(0, end - chars):end]
+
     def chunk_at(self, char: int) -> int:
         """Index of the chunk holding character ``char`` of :attr:`text`."""
         return min(bisect.bisect_right(self._ends, char), len(self.chunks) - 1)
@@ -133,21 +179,26 @@ class SegmentTracker:
 
     Args:
         mode: ``model``, ``prompted`` or ``auto`` (see the module docstring).
-        max_segment: most tokens of a paragraph segment before it is cut (auto/prompted; tokens, ≥ 1).
+        max_segment: most tokens of a block before it is cut (auto/prompted; tokens, ≥ 1).
+        min_segment: fewest tokens of a block that a boundary closes (tokens, 1..max_segment; default
+            :func:`default_min_segment`).
     Raises:
-        ValueError: unknown mode or max_segment < 1.
+        ValueError: unknown mode, max_segment < 1 or min_segment outside 1..max_segment.
 
     Use: call :meth:`push` for every forward after the prompt, in position order; read
     :attr:`segments`, :attr:`open_start` and :meth:`mode_ran`.
     """
 
-    def __init__(self, mode: str = "auto", max_segment: int = 128):
+    def __init__(self, mode: str = "auto", max_segment: int = 96, min_segment: int | None = None):
         if mode not in SUMMARY_MODES:
             raise ValueError(f"--summaries {mode!r} unknown (choose from {', '.join(SUMMARY_MODES)})")
         if max_segment < 1:
             raise ValueError(f"max_segment must be >= 1 token, got {max_segment}")
+        min_segment = default_min_segment(max_segment) if min_segment is None else min_segment
+        if not 1 <= min_segment <= max_segment:
+            raise ValueError(f"min_segment must be between 1 and max_segment {max_segment} tokens, got {min_segment}")
         self.mode = mode
-        self.max_segment = max_segment
+        self.max_segment, self.min_segment = max_segment, min_segment
         self.segments: list[Segment] = []
         self._open: _Open | None = None
         self._regular: list[_Chunk] | None = None   # R_i while its summary is being written
@@ -157,7 +208,8 @@ class SegmentTracker:
         """An independent tracker sharing the closed segments (frozen): O(segments + chunks of the open
         segment) pointers, no text copied (strings are immutable)."""
         other = SegmentTracker.__new__(SegmentTracker)
-        other.mode, other.max_segment, other._model_seen = self.mode, self.max_segment, self._model_seen
+        other.mode, other._model_seen = self.mode, self._model_seen
+        other.max_segment, other.min_segment = self.max_segment, self.min_segment
         other.segments = list(self.segments)
         other._open = None if self._open is None else self._open.copy()
         other._regular = None if self._regular is None else list(self._regular)
@@ -174,6 +226,10 @@ class SegmentTracker:
     def in_summary(self) -> bool:
         """True while the model is writing a delimited summary."""
         return self._regular is not None
+
+    def bounds_note(self) -> str:
+        """``, segments ≤ 96 tok`` for a policy's description where blocks are cut ("" in ``model`` mode)."""
+        return "" if self.mode == "model" else f", segments ≤ {self.max_segment} tok"
 
     def mode_ran(self) -> str:
         """Which segmentation produced the closed segments: ``model``, ``paragraphs``,
@@ -203,11 +259,12 @@ class SegmentTracker:
             return self._delimited(since)
         return self._paragraph(self._open.text[max(0, since - 1):])
 
-    def _close(self, regular: list[_Chunk], summary: tuple[int, ...] | None, kind: str) -> Segment:
+    def _close(self, regular: list[_Chunk], summary: tuple[int, ...] | None, kind: str,
+               content: tuple[int, ...] | None = None) -> Segment:
         rng = range(regular[0].first, regular[-1].first + regular[-1].n) if regular else range(0)
         if summary is None:
             summary = stand_in(rng)
-        seg = Segment(len(self.segments), rng, summary, kind, "".join(c.text for c in regular))
+        seg = Segment(len(self.segments), rng, summary, kind, "".join(c.text for c in regular), content)
         self.segments.append(seg)
         return seg
 
@@ -229,17 +286,47 @@ class SegmentTracker:
                 return closed
             summary, self._open = op.split(op.chunk_at(at + len(END) - 1) + 1)
             positions = tuple(p for c in summary for p in range(c.first, c.first + c.n))
-            closed.append(self._close(self._regular, positions, "model"))
+            content = None if self.mode == "model" else _content_positions(summary)
+            closed.append(self._close(self._regular, positions, "model", content))
             self._regular, since = None, 0
 
     def _paragraph(self, recent: str) -> list[Segment]:
         # ``recent`` starts one character before this push, so a "\n\n" split over two tokens is seen
         op = self._open
-        if "\n\n" in recent and op.text.strip():
+        n = op.end() - op.start
+        if "\n\n" in recent and op.text.strip() and n >= self.min_segment:
             done, self._open = op.split(len(op.chunks))
-        elif op.end() - op.start >= self.max_segment:
-            breaks = [i for i, c in enumerate(op.chunks[:-1]) if c.text.endswith("\n")]
-            done, self._open = op.split(breaks[-1] + 1 if breaks else len(op.chunks))
+        elif n >= self.max_segment:
+            done, self._open = op.split(self._cut(op))
         else:
             return []
         return [self._close(done, None, "paragraph")]
+
+    def _cut(self, op: _Open) -> int:
+        """Chunks of a full block to close: the latest of its strongest edges within [min, max] tokens
+        (see :func:`edge_strength`), else all of it (a hard cut at max_segment)."""
+        best, cut = NO_EDGE, len(op.chunks)
+        for i in range(1, len(op.chunks)):
+            length = op.chunks[i].first - op.start
+            if not self.min_segment <= length <= self.max_segment:
+                continue
+            # 16 characters show the white space at the edge and what it follows
+            strength = edge_strength(op.text_before(i, 16), op.chunks[i].text)
+            if strength and strength >= best:
+                best, cut = strength, i
+        return cut
+
+
+def _content_positions(chunks: list[_Chunk]) -> tuple[int, ...]:
+    """Positions of a delimited summary's chunks that hold its text between the delimiters (a chunk
+    counts when non-blank text of the content falls in it, so one straddling a delimiter's edge does)."""
+    text = "".join(c.text for c in chunks)
+    begin = text.find(BEGIN) + len(BEGIN)
+    end = text.find(END, begin)
+    out, offset = [], 0
+    for c in chunks:
+        lo, hi = max(offset, begin), min(offset + len(c.text), end)
+        if hi > lo and text[lo:hi].strip():
+            out.extend(range(c.first, c.first + c.n))
+        offset += len(c.text)
+    return tuple(out)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .knobs import PolicyConfig, summaries_knob, window_knob
-from .segmented import WINDOW, WINDOW_SOURCE, SegmentedPolicy
+from .knobs import PolicyConfig, segment_tokens_knob, summaries_knob, window_knob
+from .segmented import SEGMENT_SOURCE, SEGMENT_TOKENS, WINDOW, WINDOW_SOURCE, SegmentedPolicy
 
 
 @dataclass(frozen=True)
@@ -19,9 +19,10 @@ class SumRConfig(PolicyConfig):
 
     window: int = window_knob(WINDOW, WINDOW_SOURCE)
     summaries: str = summaries_knob()
+    segment_tokens: int = segment_tokens_knob(SEGMENT_TOKENS, SEGMENT_SOURCE)
 
     def build(self) -> "SumRPolicy":
-        return SumRPolicy(self.window, self.summaries)
+        return SumRPolicy(self.window, self.summaries, self.segment_tokens)
 
 
 class SumRPolicy(SegmentedPolicy):
@@ -33,4 +34,4 @@ class SumRPolicy(SegmentedPolicy):
         return [], list(range(len(self.tracker.segments))), {}
 
     def describe(self) -> str:
-        return f"sumr(window={self.window}, summaries={self.tracker.mode})"
+        return f"sumr(window={self.window}, summaries={self.tracker.mode}{self.tracker.bounds_note()})"

@@ -10,7 +10,11 @@ Source: ZoomR paper §3.3 and Algorithm 1.
   v_i = votes of segment i, I_all = {i : v_i > 0}.
 * Consensus: I_c = the c most-voted (c = 2; ties: the newer segment first), I_s = I_all \\ I_c.
 * Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`zoomr.kvstore.segmented`).
-* Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4).
+* Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4) that has more
+  than max(c, k) closed segments: with at most k every head votes for all of them, so AG = min(c, S) / S
+  whatever the queries (1 when S ≤ c), and those recomputes would only pull the mean up and the spread down.
+* Memory saving MS of §3.5 (:func:`memory_saving_formula`), evaluated on the run's own N_p, N_g, L̄_R,
+  L̄_S, |I_all| and N_w, is reported beside the measured saving (``stats()["saving_formula"]``).
 """
 
 from __future__ import annotations
@@ -20,10 +24,35 @@ from dataclasses import dataclass
 
 import torch
 
-from .knobs import PolicyConfig, knob, summaries_knob, window_knob
+from .knobs import PolicyConfig, knob, segment_tokens_knob, summaries_knob, window_knob
 from .policy import LayerView
-from .segmented import WINDOW, WINDOW_SOURCE, SegmentedPolicy
+from .segmented import SEGMENT_SOURCE, SEGMENT_TOKENS, WINDOW, WINDOW_SOURCE, SegmentedPolicy
 from .segments import Segment
+
+
+def memory_saving_formula(n_prompt: int, n_generated: int, consensus: int, mean_regular: float,
+                          mean_summary: float, n_voted: int, window: int) -> float:
+    """ZoomR §3.5: MS = (N_p + N_g) / (N_p + c·L̄_R + (|I_all| − c)·L̄_S + N_w).
+
+    Args:
+        n_prompt: N_p, prompt tokens. n_generated: N_g, generated tokens.
+        consensus: c, segments zoomed in. mean_regular: L̄_R, mean regular-segment length (tokens).
+        mean_summary: L̄_S, mean summary (or stand-in) length (tokens). n_voted: |I_all|, segments voted
+            for. window: N_w, the recent window (tokens).
+    Returns:
+        full KV tokens / selected tokens (×). Fewer voted segments than c zoom in only |I_all| of them,
+        so c is taken as min(c, |I_all|) (the paper's formula assumes |I_all| ≥ c).
+    Raises:
+        ValueError: a negative count, or a zero denominator.
+    The paper's example: (512, 16384, 2, 250, 20, 80, 512) → 5.48×.
+    """
+    if min(n_prompt, n_generated, consensus, mean_regular, mean_summary, n_voted, window) < 0:
+        raise ValueError("memory_saving_formula: counts and lengths must be >= 0")
+    zoomed = min(consensus, n_voted)
+    selected = n_prompt + zoomed * mean_regular + (n_voted - zoomed) * mean_summary + window
+    if selected <= 0:
+        raise ValueError("memory_saving_formula: nothing is selected (zero denominator)")
+    return (n_prompt + n_generated) / selected
 
 
 @dataclass(frozen=True)
@@ -36,9 +65,10 @@ class ZoomRConfig(PolicyConfig):
     consensus: int = knob(2, "most-voted segments zoomed in to their full tokens (c)", minimum=0,
                           source="ZoomR §3.3")
     summaries: str = summaries_knob()
+    segment_tokens: int = segment_tokens_knob(SEGMENT_TOKENS, SEGMENT_SOURCE)
 
     def build(self) -> "ZoomRPolicy":
-        return ZoomRPolicy(self.window, self.topk_per_head, self.consensus, self.summaries)
+        return ZoomRPolicy(self.window, self.topk_per_head, self.consensus, self.summaries, self.segment_tokens)
 
 
 class ZoomRPolicy(SegmentedPolicy):
@@ -49,18 +79,20 @@ class ZoomRPolicy(SegmentedPolicy):
         topk: k, segments each (layer, query head) votes for (≥ 1).
         consensus: c, most-voted segments zoomed in (≥ 0).
         summaries: ``model``, ``prompted`` or ``auto``.
+        segment_tokens: the longest block in ``auto``/``prompted`` mode (tokens).
     Raises:
-        ValueError: k < 1, c < 0, window < 1, unknown summaries mode.
+        ValueError: k < 1, c < 0, window < 1, segment_tokens < 1, unknown summaries mode.
     """
 
     name = "zoomr"
 
-    def __init__(self, window: int = 128, topk: int = 2, consensus: int = 2, summaries: str = "auto"):
+    def __init__(self, window: int = WINDOW, topk: int = 2, consensus: int = 2, summaries: str = "auto",
+                 segment_tokens: int = SEGMENT_TOKENS):
         if topk < 1:
             raise ValueError(f"zoomr: --topk-per-head must be at least 1, got {topk}")
         if consensus < 0:
             raise ValueError(f"zoomr: --consensus must be >= 0, got {consensus}")
-        super().__init__(window, summaries)
+        super().__init__(window, summaries, segment_tokens)
         self.topk, self.consensus = topk, consensus
         self.mean_keys: torch.Tensor | None = None    # [L, Hkv, S, d] float32 on the compute device
         self.queries: dict[int, torch.Tensor] = {}    # layer → [H, d] query of the newest token
@@ -105,9 +137,10 @@ class ZoomRPolicy(SegmentedPolicy):
         return zoomed, summarized, {i: int(v[i]) for i in voted}
 
     def record(self, zoomed, votes):
+        """AG of this recompute, or None where it is 0/0 or fixed by construction (≤ max(c, k) segments)."""
         self.voted_last = len(votes)
         total = sum(votes.values())
-        if not total:
+        if not total or len(self.tracker.segments) <= max(self.consensus, self.topk):
             return None
         ag = sum(votes[i] for i in zoomed) / total
         self.ag.append(ag)
@@ -117,7 +150,22 @@ class ZoomRPolicy(SegmentedPolicy):
         ag = self.ag
         return {**super().stats(), "voted_last": self.voted_last,
                 "ag_mean": round(statistics.fmean(ag), 4) if ag else None,
-                "ag_std": round(statistics.pstdev(ag), 4) if ag else None}
+                "ag_std": round(statistics.pstdev(ag), 4) if ag else None,
+                "ag_recomputes": len(ag), **self._formula()}
+
+    def _formula(self) -> dict:
+        """§3.5's MS on this run's measured lengths (at the last recompute), and its inputs. N_w is the
+        window as far as it is filled (min(w, N_g)): the paper's N_g ≫ N_w does not hold in a short run."""
+        segs = self.tracker.segments
+        if self.n_prompt is None or not segs:
+            return {}
+        generated = self.end - self.n_prompt
+        inputs = {"n_prompt": self.n_prompt, "n_generated": generated, "consensus": self.consensus,
+                  "mean_regular": round(statistics.fmean(len(s.regular) for s in segs), 2),
+                  "mean_summary": round(statistics.fmean(len(s.summary) for s in segs), 2),
+                  "n_voted": self.voted_last, "window": min(self.window, generated)}
+        return {"saving_formula": round(memory_saving_formula(**inputs), 3), "formula_inputs": inputs}
 
     def describe(self) -> str:
-        return f"zoomr(k={self.topk}, c={self.consensus}, window={self.window}, summaries={self.tracker.mode})"
+        return (f"zoomr(k={self.topk}, c={self.consensus}, window={self.window}, summaries={self.tracker.mode}"
+                f"{self.tracker.bounds_note()})")

@@ -180,8 +180,8 @@ def _streaming(config, n_ctx: int, buffer: int, events: EventBus | None) -> Fact
 def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     from .sumr import SumRCells
 
-    SumRCells(n_ctx, config.window, config.summaries)  # validate now, before the model loads
-    return lambda: SumRCells(n_ctx, config.window, config.summaries, events)
+    SumRCells(n_ctx, config.window, config.summaries, segment_tokens=config.segment_tokens)  # validate now
+    return lambda: SumRCells(n_ctx, config.window, config.summaries, events, config.segment_tokens)
 
 
 # the llama.cpp implementation of each policy the registry lists for this backend

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 
 from zoomr.kvstore.events import EventBus, RecomputeEvent
+from zoomr.kvstore.segmented import SEGMENT_TOKENS
 from zoomr.kvstore.segments import SegmentTracker, ends_at_boundary
 
 
@@ -32,24 +33,28 @@ class SumRCells:
 
     Args:
         n_ctx: ``-c``, the most cells the sequence may hold (tokens).
-        window: w, recent generated tokens always kept (tokens, 1 ≤ w < n_ctx); also the longest
-            paragraph segment, as on the torch backend.
+        window: w, recent generated tokens always kept (tokens, 1 ≤ w < n_ctx).
         summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
         events: where a :class:`RecomputeEvent` goes at every recompute (live display), or None.
+        segment_tokens: the longest block in ``auto``/``prompted`` mode (tokens, ≥ 1), as on the torch
+            backend.
     Raises:
-        ValueError: window out of range or an unknown summaries mode.
+        ValueError: window out of range, segment_tokens < 1 or an unknown summaries mode.
     """
 
     name = "sumr"
     evicts = True
     wants_text = True
 
-    def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None):
+    def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None,
+                 segment_tokens: int = SEGMENT_TOKENS):
         if not 1 <= window < n_ctx:
             raise ValueError(f"sumr: --window must be between 1 and -c {n_ctx} - 1 tokens, got {window}")
         self.cap = n_ctx
         self.window = window
-        self.tracker = SegmentTracker(summaries, max_segment=window)
+        if segment_tokens < 1:
+            raise ValueError(f"sumr: --segment-tokens must be at least 1 token, got {segment_tokens}")
+        self.tracker = SegmentTracker(summaries, max_segment=segment_tokens)
         self.events = events
         self.n_prompt: int | None = None
         self.end = 0
@@ -103,8 +108,8 @@ class SumRCells:
         return child
 
     def describe(self) -> str:
-        """``sumr(window=…, summaries=…)``, as on the torch backend."""
-        return f"sumr(window={self.window}, summaries={self.tracker.mode})"
+        """``sumr(window=…, summaries=…, segments ≤ … tok)``, as on the torch backend."""
+        return f"sumr(window={self.window}, summaries={self.tracker.mode}{self.tracker.bounds_note()})"
 
     def stats(self) -> dict:
         """Recomputes, closed segments, which segmentation ran and which was asked for."""

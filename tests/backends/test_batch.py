@@ -26,8 +26,8 @@ SMALL = {
     "h2o": lambda: H2OPolicy(16),
     "snapkv": lambda: SnapKVPolicy(16, window=4, buffer=8),
     "rkv": lambda: RKVPolicy(16, window=4, buffer=8),
-    "sumr": lambda: SumRPolicy(window=16),
-    "zoomr": lambda: ZoomRPolicy(window=16, topk=1, consensus=1),
+    "sumr": lambda: SumRPolicy(window=16, segment_tokens=16),
+    "zoomr": lambda: ZoomRPolicy(window=16, topk=1, consensus=1, segment_tokens=16),
 }
 BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
 

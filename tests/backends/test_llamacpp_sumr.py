@@ -22,9 +22,9 @@ def sumr():
     """Builds sumr backends (-c 256) and closes them after the test."""
     made = []
 
-    def make(summaries: str, window: int) -> LlamaCppBackend:
+    def make(summaries: str, window: int, segment_tokens: int = 96) -> LlamaCppBackend:
         made.append(LlamaCppBackend(resolve_model(None), n_ctx=256, threads=1, policy="sumr", window=window,
-                                    summaries=summaries, max_sequences=3))
+                                    summaries=summaries, segment_tokens=segment_tokens, max_sequences=3))
         return made[-1]
 
     yield make
@@ -56,7 +56,7 @@ def check_resident(be, seq, written: list[int]) -> None:
 
 
 def test_paragraph_segments_are_evicted_to_their_stand_ins(sumr):
-    be = sumr("auto", 32)  # paragraphs (≤ 32 tokens, the window) make the segments
+    be = sumr("auto", 32, 32)  # paragraphs (11..32 tokens: --segment-tokens 32) make the segments
     seq = be.new_sequence()
     written = be.tokenizer.encode(PROMPT, special=False)
     be.prefill(seq, written)

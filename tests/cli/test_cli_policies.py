@@ -17,9 +17,9 @@ from zoomr.cli.render import Output
 @pytest.mark.slow
 def test_solve_zoomr_records_policy_statistics(tmp_path):
     out = tmp_path / "run.json"
-    # a small window and k = c = 1 so that 40 tokens are enough to leave segments out
+    # a small window, short segments and k = c = 1 so that 40 tokens are enough to leave segments out
     r = zoomr("solve", "examples/problem.txt", "--policy", "zoomr", "--window", "8", "--topk-per-head", "1",
-              "--consensus", "1", "-n", "40", "--no-live", "--json", str(out))
+              "--consensus", "1", "--segment-tokens", "8", "-n", "40", "--no-live", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     kv = rec["kv"]
@@ -35,6 +35,7 @@ def test_solve_zoomr_records_policy_statistics(tmp_path):
     assert kv["summaries_mode"] == "paragraphs" and kv["summaries_option"] == "auto"
     assert 0 < kv["ag_mean"] <= 1 and kv["ag_std"] >= 0
     assert "KV policy zoomr" in r.stdout and "summaries: paragraphs" in r.stdout and "AG " in r.stdout
+    assert kv["saving_formula"] > 1 and "§3.5 formula" in r.stdout
     assert "policy zoomr" in r.stderr                       # describe() names the policy
 
 
@@ -44,9 +45,16 @@ def test_bad_policy_knob_is_one_line_exit_2():
     assert "--budget must be at least 1 token, got 0" in r.stderr
 
 
+def test_bad_segment_length_is_one_line_exit_2():
+    r = zoomr("solve", "examples/problem.txt", "--no-live", "--policy", "zoomr", "--segment-tokens", "0")
+    assert_one_line_error(r)
+    assert "--segment-tokens must be at least 1 token, got 0" in r.stderr
+
+
 @pytest.mark.parametrize("opts,needle", [
     (RunOptions(policy="streaming", knobs={"budget": 8, "window": 8}), "--sink 4 + --window 8"),
     (RunOptions(policy="zoomr", knobs={"summaries": "bogus"}), "--summaries"),
+    (RunOptions(policy="sumr", knobs={"segment_tokens": 0}), "--segment-tokens"),
     (RunOptions(policy="full", knobs={"budget": 0}), "--budget"),
 ])
 def test_factory_rejects_bad_knobs_before_loading_the_model(opts, needle):
@@ -92,6 +100,11 @@ def test_policy_line_and_prompted_system_text():
                                           "recomputes": 3}, mean_active_tokens=40.0, peak_active_bytes=600)
     line = policy_line(kv)
     assert "summaries: none (--summaries prompted)" in line and "saving 4.00×" in line and "peak 60" in line
+    assert "formula" not in line
+    kv.extra.update(saving_formula=3.5, formula_inputs={"n_prompt": 20, "n_generated": 180, "consensus": 2,
+                                                        "mean_regular": 60.0, "mean_summary": 8.0, "n_voted": 3,
+                                                        "window": 16})
+    assert "§3.5 formula 3.50× (N_p 20, N_g 180, L̄_R 60, L̄_S 8, |I_all| 3, N_w 16)" in policy_line(kv)
     assert "<|begin_of_summary|>" in system_with_summaries(None, "zoomr", "prompted")
     assert system_with_summaries("Be brief.", "sumr", "prompted").startswith("Be brief.\n\n")
     assert system_with_summaries("Be brief.", "h2o", "prompted") == "Be brief."

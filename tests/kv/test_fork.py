@@ -34,8 +34,8 @@ POLICIES = {
     "h2o": lambda: (H2OPolicy(8, 3), "resident"),
     "snapkv": lambda: (SnapKVPolicy(8, 3, buffer=4), "resident"),
     "rkv": lambda: (RKVPolicy(8, 2, buffer=4), "resident"),
-    "sumr": lambda: (SumRPolicy(4), "resident"),
-    "zoomr": lambda: (ZoomRPolicy(4, 2, 1), "resident"),
+    "sumr": lambda: (SumRPolicy(4, segment_tokens=6), "resident"),
+    "zoomr": lambda: (ZoomRPolicy(4, 2, 1, segment_tokens=6), "resident"),
 }
 
 

@@ -52,7 +52,7 @@ def test_active_set_moves_only_what_changed():
 
 def test_fork_continues_like_the_original():
     texts = (["w"] * 5 + [".", "\n\n"]) * 6
-    cache, _, q, k = drive(ZoomRPolicy(8, 2, 2, "auto"), texts[:20], 5, seed=7)
+    cache, _, q, k = drive(ZoomRPolicy(8, 2, 2, "auto", segment_tokens=8), texts[:20], 5, seed=7)
     other = cache.fork()
     g = torch.Generator().manual_seed(1)
     for i, text in enumerate(texts[20:]):
@@ -102,7 +102,7 @@ def test_full_through_the_store_matches_the_plain_decoder(torch_backend, referen
 
 def test_zoomr_in_the_decoder_equals_full_until_it_first_evicts(torch_backend, reference_logits):
     ids, forced, want = reference_logits
-    factory = PolicyCacheFactory(PolicySpec("zoomr", window=6, consensus=1))
+    factory = PolicyCacheFactory(PolicySpec("zoomr", window=6, consensus=1, segment_tokens=6))
     events = []
     factory.events.subscribe(events.append)
     got, seq = run_tokens(torch_backend, factory(torch_backend), ids, forced)

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zoomr.kvstore.segments import BEGIN, END, SegmentTracker, ends_at_boundary, stand_in
+from zoomr.kvstore.segments import (BEGIN, END, LINE_EDGE, NO_EDGE, PARAGRAPH_EDGE, SENTENCE_EDGE, SegmentTracker,
+                                    edge_strength, ends_at_boundary, stand_in)
 
 
 def feed(tracker, pieces, start=100):
@@ -41,7 +42,7 @@ def test_model_mode_never_splits_paragraphs():
 
 
 def test_auto_paragraphs_stand_ins_and_double_newline_across_tokens():
-    t = SegmentTracker("auto", max_segment=64)
+    t = SegmentTracker("auto", max_segment=64, min_segment=1)
     segs = feed(t, ["First", " step", ".", "\n", "\n", "Second", " one", ":", " done", "\n\n"])
     assert [s.regular for s in segs] == [range(100, 105), range(105, 110)]
     assert segs[0].summary == (100, 101, 103, 104)          # m = 4: first 2 + last 2
@@ -50,7 +51,7 @@ def test_auto_paragraphs_stand_ins_and_double_newline_across_tokens():
 
 
 def test_whitespace_only_paragraph_stays_open():
-    t = SegmentTracker("auto")
+    t = SegmentTracker("auto", min_segment=1)
     assert feed(t, ["\n\n", "\n\n"]) == []
     assert [s.regular for s in feed(t, ["x", "\n\n"], start=102)] == [range(100, 104)]
 
@@ -65,7 +66,7 @@ def test_long_paragraph_is_cut_at_its_last_line_break():
 
 
 def test_auto_switches_to_model_summaries_once_a_delimiter_appears():
-    t = SegmentTracker("auto", max_segment=100)
+    t = SegmentTracker("auto", max_segment=100, min_segment=1)
     segs = feed(t, ["p", "\n\n", "q", BEGIN, "s", END, "r", "\n\n", "x"])
     assert [s.kind for s in segs] == ["paragraph", "model"]
     assert t.mode_ran() == "paragraphs, then model" and t.open_start == 106
@@ -78,6 +79,7 @@ def test_multi_token_push_keeps_its_edges():
 
 
 @pytest.mark.parametrize("bad", [lambda: SegmentTracker("bogus"), lambda: SegmentTracker("auto", 0),
+                                 lambda: SegmentTracker("auto", 8, 9), lambda: SegmentTracker("auto", 8, 0),
                                  lambda: SegmentTracker().push(0, "x", n=0)])
 def test_bad_arguments_raise_value_error(bad):
     with pytest.raises(ValueError):
@@ -116,3 +118,84 @@ def test_segments_partition_the_stream(pieces, mode, max_segment):
     assert covered == list(range(len(covered)))
     assert t.open_start is None or t.open_start == len(covered)
     assert [s.index for s in segs] == list(range(len(segs)))
+
+
+# --- bounded blocks (auto/prompted on a model that writes no summaries) -----------------------------------
+
+WORDS = ["We", " add", " 3", ".", "5", " x", ",", " =", ".", "!", ":", " ", "\n", "\n\n", " so", "?", "\\]"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(WORDS), max_size=300), st.integers(1, 40), st.integers(0, 40),
+       st.sampled_from(["auto", "prompted"]))
+def test_every_closed_block_lies_within_the_bounds(pieces, hi, lo_extra, mode):
+    lo = max(1, hi - lo_extra)
+    t = SegmentTracker(mode, max_segment=hi, min_segment=lo)
+    segs = feed(t, pieces, start=0)
+    for s in segs:
+        assert lo <= len(s.regular) <= hi, (lo, hi, s.text)
+    # the open rest is shorter than the longest block (it would have been cut)
+    assert t.open_start is None or len(pieces) - t.open_start < hi
+
+
+def test_text_without_paragraphs_still_makes_blocks_and_defaults_to_a_third():
+    t = SegmentTracker("auto", max_segment=96)
+    assert t.min_segment == 32
+    segs = feed(t, ["w"] * 500, start=0)                   # no boundary at all: hard cuts at 96 tokens
+    assert [len(s.regular) for s in segs] == [96] * 5 and t.mode_ran() == "paragraphs"
+
+
+def test_a_paragraph_closes_once_it_holds_min_tokens_and_shorter_ones_merge():
+    t = SegmentTracker("auto", max_segment=12, min_segment=4)
+    segs = feed(t, ["a", "b", "\n\n", "c", "d", "e", "\n", "\n", "f"])
+    assert [s.regular for s in segs] == [range(100, 108)]     # "ab\n\n" was too short: merged into the next
+
+
+def test_a_full_block_is_cut_at_a_sentence_end_before_a_later_line_end():
+    t = SegmentTracker("auto", max_segment=12, min_segment=4)
+    segs = feed(t, ["w"] * 4 + [".", " w", " w", "\n"] + ["w"] * 4)
+    assert [s.regular for s in segs] == [range(100, 105)] and segs[0].text == "wwww."
+    assert t.open_start == 105
+
+
+def test_a_full_block_is_cut_at_its_last_line_end_when_no_sentence_ends():
+    t = SegmentTracker("auto", max_segment=10, min_segment=3)
+    segs = feed(t, ["a", "\n", "b", "c", "\n", "d", "e", "f", "g", "h"])
+    assert [s.regular for s in segs] == [range(100, 105)]
+
+
+def test_a_decimal_point_is_no_sentence_end_and_a_short_edge_is_not_eligible():
+    t = SegmentTracker("auto", max_segment=8, min_segment=3)
+    # "3.5" has no white space after the point; the sentence end after "x." is 2 tokens in (< min)
+    segs = feed(t, ["x", ".", " 3", ".", "5", " y", " z", " w"])
+    assert [s.regular for s in segs] == [range(100, 108)]     # a hard cut at 8
+
+
+@pytest.mark.parametrize("left,right,want", [("a\n", "\n", PARAGRAPH_EDGE), ("a.\n\n", "b", PARAGRAPH_EDGE),
+                                             ("so.", " b", SENTENCE_EDGE), ("so:", "\n", SENTENCE_EDGE),
+                                             ("3.", "5", NO_EDGE), ("x", "\n", LINE_EDGE), ("x", " y", NO_EDGE),
+                                             ("", "", NO_EDGE)])
+def test_edge_strength(left, right, want):
+    assert edge_strength(left, right) == want
+
+
+# --- content-only mean keys of delimited summaries when the model is not fine-tuned -------------------------
+
+SUMMARIZED = ["We", " add", ".", " <|begin", "_of_sum", "mary|>", " two", " things", " <|end_of", "_summary|>"]
+
+
+@pytest.mark.parametrize("mode", ["prompted", "auto"])
+def test_plain_text_delimiters_are_left_out_of_the_summary_mean(mode):
+    (seg,) = feed(SegmentTracker(mode), SUMMARIZED)
+    assert seg.summary == tuple(range(103, 110))              # attended: delimiters included
+    assert seg.content == (106, 107) and seg.key_positions == (106, 107)
+
+
+def test_a_token_straddling_a_delimiter_edge_counts_as_content():
+    (seg,) = feed(SegmentTracker("prompted"), ["x", BEGIN[:-2], "|> two", " <|end_of_summary|>"])
+    assert seg.content == (102,)
+
+
+def test_model_mode_averages_the_whole_summary():
+    (seg,) = feed(SegmentTracker("model"), SUMMARIZED)
+    assert seg.content is None and seg.key_positions == tuple(range(103, 110))

@@ -36,7 +36,8 @@ def policy_line(kv: KVStats) -> str | None:
     """One line of policy statistics from ``kv.extra`` (None for the plain full cache).
 
     Shows the policy, which summaries mode ran, recomputes, AG mean ± std, active tokens (mean, peak),
-    full tokens, bytes of both and the memory saving (time-averaged, and at the peak).
+    full tokens, bytes of both and the memory saving (time-averaged, and at the peak), and for ZoomR the
+    saving ZoomR §3.5's formula predicts from the run's own lengths.
     """
     x = kv.extra
     if "policy" not in x:
@@ -51,4 +52,9 @@ def policy_line(kv: KVStats) -> str | None:
     parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
                  f"of {kv.full_tokens} ({mib(kv.active_bytes)} / {mib(kv.full_bytes)}) · saving {kv.saving:.2f}× "
                  f"(mean full / mean active bytes; {kv.saving_peak:.2f}× at the peak)")
+    if x.get("saving_formula") is not None:
+        f = x["formula_inputs"]
+        parts.append(f"§3.5 formula {x['saving_formula']:.2f}× (N_p {f['n_prompt']}, N_g {f['n_generated']}, "
+                     f"L̄_R {f['mean_regular']:.0f}, L̄_S {f['mean_summary']:.0f}, |I_all| {f['n_voted']}, "
+                     f"N_w {f['window']})")
     return " · ".join(parts)

@@ -109,6 +109,7 @@ class FidelityJob:
             ready once that one is done).
     Attributes:
         result: ``{"fidelity_top1", "fidelity_kl" (nats/token), "fidelity_tokens"}`` once done.
+        mean_active_tokens: the pass's own time-averaged active KV (tokens) once done.
     """
 
     def __init__(self, backend: Backend, prompt: list[int], source: "Reference | GenerationJob"):
@@ -149,6 +150,7 @@ class FidelityJob:
         return True
 
     def finish(self) -> None:
+        self.mean_active_tokens = self.backend.kv_stats(self.seq).mean_active_tokens
         self.backend.free(self.seq)
         self.result, self.done = self.meter.result(), True
         if isinstance(self.source, GenerationJob):
@@ -304,10 +306,11 @@ def run_cell(backend: Backend, problem: Problem, prompt: list[int], sampling: Sa
 
 def teacher_forced_fidelity(backend: Backend, prompt: list[int], reference: Reference) -> dict:
     """Fidelity of ``backend``'s policy to full KV's ``reference`` run: ``{"fidelity_top1", "fidelity_kl"
-    (nats/token), "fidelity_tokens"}`` (see :class:`FidelityJob`)."""
+    (nats/token), "fidelity_tokens", "fidelity_mean_active_tokens"}`` (see :class:`FidelityJob`; the last is
+    the pass's own time-averaged active KV, tokens)."""
     job = FidelityJob(backend, prompt, reference)
     run_batched(backend, [job], 1)
-    return job.result
+    return {**job.result, "fidelity_mean_active_tokens": round(job.mean_active_tokens, 2)}
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -1,0 +1,93 @@
+"""SumR/ZoomR on their segments: the open segment stays whole, content-only summary means, AG only where
+it says something, and §3.5's memory-saving formula."""
+
+import numpy as np
+import pytest
+
+from zoomr.kvstore.segments import BEGIN, END
+from zoomr.kvstore.sumr import SumRPolicy
+from zoomr.kvstore.zoomr import ZoomRPolicy, memory_saving_formula
+from policy_drive import drive
+
+N_PROMPT = 5
+
+
+@pytest.mark.parametrize("make", [lambda: ZoomRPolicy(4, 2, 1, "model"), lambda: SumRPolicy(4, "model")])
+def test_the_segment_being_written_and_its_summary_stay_whole(make):
+    # one 16-token regular segment (a sentence end every 4 tokens), then its summary being written:
+    # a 4-token window alone would drop most of it at every recompute
+    texts = (["a"] * 3 + ["."]) * 4 + [BEGIN, " s", "."]
+    policy = make()
+    _, attended, _, _ = drive(policy, texts, N_PROMPT)
+    assert policy.tracker.in_summary and policy.recomputes >= 4
+    for f in range(1, len(texts) + 1):
+        for layer in attended[f]:
+            for row in layer:
+                assert row == list(range(N_PROMPT + f)), f"forward {f}"
+
+
+def test_the_window_still_slides_past_a_closed_segment():
+    texts = (["a"] * 3 + ["."]) * 3 + [BEGIN, "s", END] + ["b", "."] * 4
+    policy = ZoomRPolicy(4, 1, 0, "model")              # c = 0: nothing is ever zoomed in
+    _, attended, _, _ = drive(policy, texts, N_PROMPT)
+    (seg,) = policy.tracker.segments
+    last = set(attended[-1][0][0])
+    assert not set(seg.regular) & last and set(seg.summary) <= last
+
+
+def test_prompted_summary_mean_key_averages_its_content_tokens_only():
+    texts = ["We", " add", ".", " <|begin", "_of_sum", "mary|>", " two", " things", " <|end_of", "_summary|>", "x"]
+    policy = ZoomRPolicy(4, 1, 1, "prompted")
+    _, _, _, k = drive(policy, texts, N_PROMPT, seed=2)
+    (seg,) = policy.tracker.segments
+    content = [N_PROMPT + 6, N_PROMPT + 7]
+    assert list(seg.key_positions) == content
+    got = policy.mean_keys[:, :, 0].double().numpy()                       # [L, Hkv, d]
+    assert np.allclose(got, k[:, :, content].mean(axis=2), atol=1e-6)
+    assert not np.allclose(got, k[:, :, list(seg.summary)].mean(axis=2), atol=1e-3)
+
+
+def paragraphs(n):
+    return ["w", "w", "\n\n"] * n
+
+
+def test_ag_skips_recomputes_with_at_most_max_c_k_segments():
+    # segment_tokens 6: blocks close at "\n\n" from 2 tokens, so each 3-token paragraph is one segment
+    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+    drive(policy, paragraphs(2) + ["w", "."] * 2, N_PROMPT)
+    assert len(policy.tracker.segments) == 2 and policy.recomputes == 4
+    assert policy.ag == [] and policy.stats()["ag_mean"] is None and policy.stats()["ag_recomputes"] == 0
+    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+    drive(policy, paragraphs(5) + ["w", "."] * 2, N_PROMPT, seed=1)
+    # the recomputes after the 3rd, 4th and 5th paragraph and at the 2 sentence ends count
+    assert len(policy.ag) == 5 and all(0 < a <= 1 for a in policy.ag)
+    assert policy.stats()["ag_recomputes"] == 5
+
+
+def test_memory_saving_formula_matches_the_papers_examples():
+    assert memory_saving_formula(512, 16384, 2, 250, 20, 80, 512) == pytest.approx(5.48, abs=0.005)
+    assert memory_saving_formula(512, 32768, 2, 250, 20, 160, 512) == pytest.approx(7.11, abs=0.005)
+    # fewer voted than c: only those are zoomed in
+    assert memory_saving_formula(10, 90, 2, 30, 5, 1, 20) == pytest.approx(100 / 60)
+    with pytest.raises(ValueError):
+        memory_saving_formula(-1, 10, 2, 3, 1, 1, 1)
+    with pytest.raises(ValueError):
+        memory_saving_formula(0, 10, 2, 3, 1, 0, 0)
+
+
+def test_zoomr_reports_the_formula_on_its_own_measured_lengths():
+    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+    texts = paragraphs(6) + ["w", "."]
+    drive(policy, texts, N_PROMPT)
+    st = policy.stats()
+    inputs = st["formula_inputs"]
+    assert inputs == {"n_prompt": N_PROMPT, "n_generated": len(texts), "consensus": 2, "mean_regular": 3.0,
+                      "mean_summary": 3.0, "n_voted": policy.voted_last, "window": 8}
+    assert st["saving_formula"] == pytest.approx(memory_saving_formula(**inputs), abs=1e-3)
+
+
+def test_the_formula_counts_only_the_filled_part_of_the_window_in_a_short_run():
+    policy = ZoomRPolicy(64, 2, 2, "auto", segment_tokens=6)
+    texts = paragraphs(4)
+    drive(policy, texts, N_PROMPT)
+    assert policy.stats()["formula_inputs"]["window"] == len(texts)     # 12 generated < w = 64
