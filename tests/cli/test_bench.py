@@ -161,12 +161,13 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
 @pytest.mark.slow
 def test_match_budget_gives_baselines_zoomrs_measured_kv(tmp_path):
     out = tmp_path / "m"
-    # --window 8 makes zoomr evict within 96 tokens; it also fixes streaming's recent window, so no budget can
+    # --window 8 and 16-token segments make zoomr evict within 96 tokens; the window also fixes streaming's recent window, so no budget can
     # give streaming zoomr's memory: that row must be flagged, not passed off as matched
     r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "--limit", "1", "-n", "96", "--ignore-eos",
                                       "--no-live", "--no-fidelity", "--policies", "streaming,h2o,rkv,zoomr",
                                       "--match-budget", "--window", "8", "--topk-per-head", "1", "--consensus", "1",
-                                      "--out", str(out)], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                                      "--segment-tokens", "16", "--out", str(out)], capture_output=True, text=True,
+                                      cwd=ROOT, env=ENV,
                        timeout=1200)
     assert r.returncode == 0, r.stderr
     by = {rec["policy"]: rec for rec in _records(out)}

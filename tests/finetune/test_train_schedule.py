@@ -36,3 +36,26 @@ def test_augmented_rows_are_checked():
     for bad in ({**good, "augmented": " "}, {k: v for k, v in good.items() if k != "problem"}):
         with pytest.raises(UserError, match="augmented"):
             Augmented.from_json(bad, "f")
+
+
+def test_optimizer_state_round_trips_without_pickle(tmp_path):
+    """Checkpoints hold the AdamW state as safetensors + JSON; loading it back gives the same state."""
+    import torch
+
+    from zoomr.finetune.train import load_optimizer_state, save_optimizer_state
+
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for _ in range(3):
+        (params[0].sum() + params[1].pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    save_optimizer_state(opt.state_dict(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.json", "optimizer.safetensors"]
+    again = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5.0)
+    again.load_state_dict(load_optimizer_state(tmp_path, "cpu"))
+    a, b = opt.state_dict(), again.state_dict()
+    assert a["param_groups"][0]["lr"] == b["param_groups"][0]["lr"] == 1e-3
+    for pid, entry in a["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][pid][name])), (pid, name)

@@ -6,7 +6,7 @@ never seen those tokens. Batches are a pure function of (step, seed), and dropou
 run resumed from a checkpoint takes the same batches as one that never stopped.
 
 A checkpoint (``checkpoints/step-NNNNNN/``: adapter + trainable-token weights as safetensors, optimizer
-state, ``state.json`` with the step and the losses so far) is written into a temporary directory and
+state as safetensors + JSON (no pickle anywhere), ``state.json`` with the step and the losses so far) is written into a temporary directory and
 renamed into place, then ``checkpoints/latest`` is replaced: a write that fails (disk full) leaves the
 previous checkpoint as it was.
 """
@@ -154,7 +154,6 @@ class Trainer:
         Raises:
             UserError: the checkpoint's files are unreadable or were made with other LoRA knobs.
         """
-        import torch
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
@@ -164,8 +163,7 @@ class Trainer:
         try:
             state = json.loads((ck / "state.json").read_text())
             set_peft_model_state_dict(self.model, load_file(str(ck / "adapter.safetensors"), device=str(self.device)))
-            self.optimizer.load_state_dict(torch.load(ck / "optimizer.pt", map_location=self.device,
-                                                      weights_only=True))
+            self.optimizer.load_state_dict(load_optimizer_state(ck, self.device))
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise UserError(f"{ck}: cannot resume from this checkpoint ({type(e).__name__}: {e})") from None
         self.step, self.losses = int(state["step"]), [float(x) for x in state["losses"]]
@@ -177,7 +175,6 @@ class Trainer:
         Raises:
             CheckpointError: the disk (or the file-size limit) is full; the previous checkpoint is intact.
         """
-        import torch
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
@@ -190,8 +187,7 @@ class Trainer:
             tmp.mkdir()
             sd = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
             save_file(sd, str(tmp / "adapter.safetensors"))
-            with open(tmp / "optimizer.pt", "wb") as f:
-                torch.save(self.optimizer.state_dict(), f)
+            save_optimizer_state(self.optimizer.state_dict(), tmp)
             (tmp / "state.json").write_text(json.dumps({"step": self.step, "losses": self.losses,
                                                         "config": asdict(self.cfg)}))
             shutil.rmtree(final, ignore_errors=True)
@@ -258,3 +254,41 @@ class Trainer:
                 if on_checkpoint is not None:
                     on_checkpoint(self.step)
             raise
+
+
+def save_optimizer_state(state: dict, ck: Path) -> None:
+    """Write an optimizer's ``state_dict()`` without pickle: its tensors to ``optimizer.safetensors`` (keyed
+    ``<param id>.<name>``), everything else (param groups, non-tensor state) to ``optimizer.json``.
+
+    Raises:
+        OSError: the files cannot be written.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    tensors, plain = {}, {}
+    for pid, entry in state["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{pid}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                plain[f"{pid}.{name}"] = value
+    save_file(tensors, str(ck / "optimizer.safetensors"))
+    (ck / "optimizer.json").write_text(json.dumps({"param_groups": state["param_groups"], "plain": plain}))
+
+
+def load_optimizer_state(ck: Path, device) -> dict:
+    """The ``state_dict()`` :func:`save_optimizer_state` wrote, tensors on ``device``.
+
+    Raises:
+        OSError, ValueError, KeyError: missing or malformed files.
+    """
+    from safetensors.torch import load_file
+
+    meta = json.loads((ck / "optimizer.json").read_text())
+    state: dict = {}
+    for key, value in [*load_file(str(ck / "optimizer.safetensors"), device=str(device)).items(),
+                       *meta["plain"].items()]:
+        pid, name = key.split(".", 1)
+        state.setdefault(int(pid), {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
