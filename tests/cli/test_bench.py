@@ -96,6 +96,34 @@ def test_torn_last_line_is_dropped(tmp_path):
     assert len(log.records) == 1 and p.read_text().endswith("}\n")
 
 
+def test_a_ctrl_c_right_after_a_records_fsync_still_reaches_the_summary(tmp_path, monkeypatch):
+    """The race the subprocess test above can hit: SIGINT lands while ``append`` is in ``os.fsync``, so the
+    KeyboardInterrupt fires after the line is durable but before it is in ``log.records``."""
+    import zoomr.evaluation.records as records
+    from zoomr.cli.bench import _finish
+    from zoomr.cli.render import Output
+
+    out = tmp_path / "o"
+    out.mkdir()
+    log = RecordLog(out / "records.jsonl")
+    real = os.fsync
+
+    def fsync_then_interrupt(fd):
+        real(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(records.os, "fsync", fsync_then_interrupt)
+    rec = {"problem_id": "0", "policy": "full", "budget": None, "budget_tokens": None, "gold": "3",
+           "correct": True, "mean_active_tokens": 9, "peak_active_tokens": 9, "tokens_generated": 4}
+    with pytest.raises(KeyboardInterrupt):
+        log.append(rec)
+    monkeypatch.setattr(records.os, "fsync", real)
+    assert log.records == []  # the in-memory list missed it; the file has it
+    _finish(out, {"model": "m.gguf", "dataset": "gsm8k", "n_predict": 8}, log, Output(live=False))
+    rows = json.loads((out / "summary.json").read_text())["rows"]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full", None)]
+
+
 def test_fidelity_meter_and_recovered_fraction():
     m = FidelityMeter()
     a = np.array([2.0, 0.0, -1.0])

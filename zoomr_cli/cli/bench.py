@@ -412,6 +412,9 @@ def _match_note(rec: dict) -> str:
 
 def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
     """summary.json, plots and the final table from whatever records exist (also after Ctrl-C)."""
+    # the file, not the in-memory list, is what finished: a Ctrl-C that lands between a record's fsync and
+    # its append to ``log.records`` would otherwise leave a durable record out of the summary
+    log = RecordLog(log.path)
     if not log.records:
         ui.info(f"no cell finished: nothing recorded in {out}")
         return
