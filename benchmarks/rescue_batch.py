@@ -36,8 +36,8 @@ class KVProbe:
     after each forward; per step, the peak against what the step must hold at least: the committed states
     at the step's start plus each candidate's own new tokens (tokens × K/V bytes per position).
 
-    Instrumentation only: it wraps the two backend views' ``fork``/``free``/``forward_batch``/``prefill``/
-    ``decode`` on the instances (every call goes through unchanged) and listens to the run's events.
+    Instrumentation only: it wraps the two backend views' ``fork``/``scoring_fork``/``free``/``forward_batch``/
+    ``prefill``/``decode`` on the instances (every call goes through unchanged) and listens to the run's events.
     """
 
     def __init__(self, engines, token_bytes: int):
@@ -52,18 +52,20 @@ class KVProbe:
             self._wrap(be)
 
     def _wrap(self, be) -> None:
-        fork, free = be.fork, be.free
+        free = be.free
 
-        def tracked_fork(seq):
-            child = fork(seq)
-            self.live[id(child)] = child
-            return child
+        def tracked(fork):
+            def tracked_fork(seq):
+                child = fork(seq)
+                self.live[id(child)] = child
+                return child
+            return tracked_fork
 
         def tracked_free(seq):
             self.live.pop(id(seq), None)
             free(seq)
 
-        be.fork, be.free = tracked_fork, tracked_free
+        be.fork, be.scoring_fork, be.free = tracked(be.fork), tracked(be.scoring_fork), tracked_free
         for name in ("forward_batch", "prefill", "decode"):
             setattr(be, name, self._sampled(getattr(be, name)))
 

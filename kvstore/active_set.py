@@ -23,6 +23,9 @@ import torch
 from .host_store import HostKVStore
 
 
+GROW_MIN = 64  # positions: the least room a layer's buffers gain when they grow or a fork copies them
+
+
 class _Claim:
     """Who wrote past the used part of one layer's buffers; one object shared by every fork holding them.
 
@@ -168,7 +171,7 @@ class ResidentActiveSet:
                     flat = t.view(-1, self.d)
                     flat.index_copy_(0, dst, flat.index_select(0, src))   # the gather is complete first
         else:
-            cap = M + max(64, M // 4)
+            cap = M + max(GROW_MIN, M // 4)
             k = torch.empty(h, cap, self.d, device=self.device, dtype=self.dtype)
             v = torch.empty_like(k)
             if n:
@@ -248,7 +251,10 @@ class ResidentActiveSet:
 
     def _grow(self, layer: int, need: int) -> None:
         cap = 0 if self.k[layer] is None else self.k[layer].shape[1]
-        new_cap = max(need, cap if need <= cap else 2 * cap, 64)
+        if need <= cap:  # a fork leaving buffers it shares: its used part and some room, not the whole capacity
+            new_cap = min(cap, need + GROW_MIN)
+        else:  # geometric (a quarter more): amortized O(1) copies per token, at most 25 % of it unused
+            new_cap = max(need, cap + max(GROW_MIN, cap // 4))
         n = self.n[layer]
         k = torch.empty(self.h, new_cap, self.d, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)

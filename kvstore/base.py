@@ -164,6 +164,17 @@ class FullKVCache:
         other.meter = self.meter.copy()
         return other
 
+    def scoring_fork(self) -> "ScoringKVCache":
+        """A fork for one teacher-forced forward that keeps none of its new K/V (see :class:`ScoringKVCache`)."""
+        self._freeze()
+        other = ScoringKVCache.__new__(ScoringKVCache)
+        other.__dict__.update(self.__dict__)
+        other.k, other.v = [None] * self.shape[0], [None] * self.shape[0]
+        other.parts = [list(p) for p in self.parts]
+        other.meter = self.meter.copy()
+        other.spent = False
+        return other
+
     def storages(self):
         """``("device", tensor)`` for every K/V buffer held, shared parts included (see
         :func:`zoomr.kvstore.stats.distinct_kv_bytes`)."""
@@ -194,3 +205,32 @@ class FullKVCache:
     def stats(self) -> KVStats:
         """Active == full for this cache; everything sits on the compute device, nothing on the host."""
         return self.meter.stats(self.n_tokens, self.n_tokens, self.n_tokens * self.token_bytes())
+
+
+class ScoringKVCache(FullKVCache):
+    """A fork of a :class:`FullKVCache` that serves one teacher-forced forward (scoring a candidate's
+    tokens) and stores none of them: each layer attends the parent's frozen positions plus the forward's
+    own new K/V, which are dropped once the layer is done. Scoring B candidates over a shared context thus
+    holds no K/V beyond the context and one layer's new tokens, instead of B forks' buffers (vLLM's
+    prompt-logprob pass over a shared prefix, at the granularity of one forward).
+
+    Made by :meth:`FullKVCache.scoring_fork`; after its forward it refuses another.
+
+    Raises:
+        RuntimeError: a second forward through the same scoring fork.
+    """
+
+    def update_parts(self, layer, q, k, v):
+        """The parent's parts, then the T new tokens ([Hkv, T, d] views, not stored)."""
+        if self.spent:
+            raise RuntimeError("a scoring fork serves one forward; fork again for another")
+        return [*self.parts[layer], (k, v)]
+
+    def end_forward(self, token_ids, text):
+        """Count the forward's tokens; nothing of them is held, so no further forward may follow."""
+        self.n_tokens += len(token_ids)
+        self.spent = True
+
+    def fork(self):
+        raise RuntimeError("a scoring fork cannot be forked (it holds only its parent's positions)")
+

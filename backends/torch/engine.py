@@ -185,6 +185,11 @@ class TorchBackend:
         view.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
         return view
 
+    def shares_weights(self, other) -> bool:
+        """True when ``other`` is a view of these weights (:meth:`with_cache_factory`) with the same context
+        cap: sequences of both may then go through one :meth:`forward_batch`, each with its own cache."""
+        return isinstance(other, TorchBackend) and other.model is self.model and other.n_ctx == self.n_ctx
+
     def describe(self) -> str:
         """One line: model, backend, device, dtype, weights, policy."""
         return f"{self.describe_model()} · KV policy {self.policy_name}"
@@ -310,6 +315,13 @@ class TorchBackend:
     def fork(self, seq: TorchSequence) -> TorchSequence:
         """A copy of ``seq`` whose cache is cloned; no token is recomputed."""
         return TorchSequence(seq.cache.fork(), list(seq.tokens))
+
+    def scoring_fork(self, seq: TorchSequence) -> TorchSequence:
+        """A fork of ``seq`` for one teacher-forced forward (``prefill``/``prefill_batch`` with the tokens to
+        score) that keeps none of its new K/V when the cache can do so (full KV:
+        :class:`zoomr.kvstore.base.ScoringKVCache`); other caches fork as :meth:`fork` does."""
+        make = getattr(seq.cache, "scoring_fork", None)
+        return TorchSequence(make() if make is not None else seq.cache.fork(), list(seq.tokens))
 
     def free(self, seq: TorchSequence) -> None:
         """Drop the cache tensors of ``seq``."""

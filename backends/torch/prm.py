@@ -208,7 +208,7 @@ class ProcessRewardModel:
                     self._hidden(prefix, self._prefix_cache, False)
                 self._prefix_ids = prefix
             suffixes = [fulls[i][len(prefix):] for i in rows]
-            caches = [self._prefix_cache.fork() for _ in rows]
+            caches = [self._prefix_cache.scoring_fork() for _ in rows]   # they keep none of the suffixes' K/V
             flat = [t for ids in suffixes for t in ids]
             pos = [p for ids in suffixes for p in range(len(prefix), len(prefix) + len(ids))]
             hidden = self.model.forward_batch(torch.tensor(flat, dtype=torch.long, device=self.device),

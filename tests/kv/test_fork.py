@@ -266,3 +266,30 @@ def test_a_family_of_forks_holds_the_prefix_once(name):
     assert grown["device"] <= alone["device"] + 3 * one    # the first writer appended in place
     with pytest.raises(TypeError, match="storages"):
         distinct_kv_bytes([object()])
+
+
+def test_a_scoring_fork_scores_like_a_fork_and_keeps_nothing(torch_backend):
+    """Two candidates teacher-forced over one committed context: the same logits as through plain forks,
+    the parent unchanged, no K/V held beyond the parent's, and a second forward through it refused."""
+    from zoomr.kvstore.stats import distinct_kv_bytes
+
+    be = torch_backend
+    parent = be.new_sequence()
+    be.prefill(parent, be.tokenizer.encode("Janet has 16 eggs and eats three.", special=False))
+    cands = [be.tokenizer.encode(t, special=False) for t in (" She sells 13.", " Then she bakes four muffins")]
+    plain = [be.fork(parent) for _ in cands]
+    want = be.prefill_batch(plain, cands, all_logits=True)
+    alone = distinct_kv_bytes([parent.cache])["device"]
+    scoring = [be.scoring_fork(parent) for _ in cands]
+    got = be.prefill_batch(scoring, cands, all_logits=True)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    assert distinct_kv_bytes([parent.cache] + [s.cache for s in scoring])["device"] == alone
+    assert distinct_kv_bytes([parent.cache] + [s.cache for s in plain])["device"] > alone
+    assert parent.cache.n_tokens == len(parent.tokens)
+    with pytest.raises(RuntimeError, match="one forward"):
+        be.prefill(scoring[0], cands[0])
+    # the parent goes on decoding as if no scoring fork had been made
+    again = be.new_sequence()
+    be.prefill(again, parent.tokens)
+    np.testing.assert_allclose(be.decode(parent, 13), be.decode(again, 13), atol=1e-4)

@@ -34,17 +34,31 @@ def rkv_cache(backend):
                          backend.device, backend.kv_dtype)
 
 
-def solve(torch_backend, batched: bool, config: RescueConfig, seed: int = 0) -> tuple[str, Transcript]:
+def solve(torch_backend, batched: bool, config: RescueConfig, seed: int = 0, helper=None,
+          batch_sizes: list | None = None) -> tuple[str, Transcript]:
+    """One run; ``helper`` defaults to the base's own weights with full KV. ``batch_sizes`` collects the
+    number of sequences of every ``decode_batch`` forward of either role."""
     base = torch_backend.with_cache_factory(rkv_cache)
+    helper = torch_backend if helper is None else helper
+    if batch_sizes is not None:
+        for be in (base, helper):
+            be.decode_batch = _counting(be.decode_batch, batch_sizes)
     events, tr = EventStream(), Transcript()
     events.subscribe(tr)
-    loop = RescueLoop(Engine("base", base), Engine("helper", torch_backend), HelperLikelihoodScorer(),
+    loop = RescueLoop(Engine("base", base), Engine("helper", helper), HelperLikelihoodScorer(),
                       Sampler(SamplingParams(0.8, 20, 0.95, seed)), replace(config, batched=batched), events)
     ids = solve_prompt(torch_backend.tokenizer, QUESTION)
     try:
         return loop.run(QUESTION, ids, ids), tr
     finally:
         loop.close()
+
+
+def _counting(decode_batch, sizes: list):
+    def call(seqs, tokens, **kw):
+        sizes.append(len(seqs))
+        return decode_batch(seqs, tokens, **kw)
+    return call
 
 
 def by_candidate(tr: Transcript) -> dict:
@@ -91,6 +105,25 @@ def test_batched_steps_commit_what_the_sequential_loop_commits(torch_backend):
         assert_same(a[k], b[k], str(k))
     # both models' candidates ran: the batches are real (more than one sequence per forward)
     assert s_bat["candidates"] == {"base": 2 * len(s_bat["steps"]), "helper": 2 * len(s_bat["steps"])}
+
+
+def test_a_helper_on_the_base_weights_joins_the_base_batch_and_another_model_does_not(torch_backend):
+    """nb = nh = 2: with the helper a view of the base's weights, each forward carries all four candidates;
+    with a separately loaded helper (its own weights) the two models batch apart. Same candidates either way."""
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend
+
+    config = RescueConfig(2, 2, 6, 2, 2048)
+    shared_sizes, own_sizes = [], []
+    _, shared = solve(torch_backend, True, config, batch_sizes=shared_sizes)
+    other = TorchBackend(resolve_model(None), device="cpu", dtype="fp32", n_ctx=2048)
+    assert not torch_backend.shares_weights(other) and torch_backend.shares_weights(torch_backend.with_cache_factory(rkv_cache))
+    _, own = solve(torch_backend, True, config, helper=other, batch_sizes=own_sizes)
+    assert max(shared_sizes) == 4 and max(own_sizes) == 2
+    a, b = by_candidate(shared), by_candidate(own)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert_same(a[k], b[k], str(k))
 
 
 def test_a_candidate_aborted_mid_batch_leaves_and_the_rest_match(torch_backend):

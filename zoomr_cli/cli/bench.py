@@ -183,21 +183,18 @@ def bench(
     validate_cells(cells, opts, rescue_base)
     for line in scope:
         ui.info(line)
+    new_folder = not out.exists()
     log = _open_log(out, config, resume)
     base = rescue_cells = None
     prompts: dict[str, list[int]] = {}
-    if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
-        with ui.status("loading model…"):
-            base = build_backend(replace(opts, policy=REFERENCE))
-        if rescue_plan is not None:
-            with ui.status("loading helper and scorer…"):
-                rescue_cells = RescueCells(base, opts, rescue_plan)
-        _check_provenance(config, run_provenance(base.source.path))
-        # every prompt left to run fits -c (and is valid text), for each model that prefills it
-        tokenizers = [base.tokenizer] + ([rescue_cells.helper.tokenizer] if rescue_cells is not None else [])
-        prompts = {p.id: [problem_prompt(t, p, opts.ctx_size) for t in tokenizers][0] for p in problems
-                   if any(record_key(p.id, c, b) not in log.done for c, b in cells)}
-        check_parallel(n_parallel, base, max(map(len, prompts.values())), opts.n_predict)
+    try:
+        if any(record_key(p.id, c, b) not in log.done for p in problems for c, b in cells):
+            base, rescue_cells, prompts = _load_for(opts, rescue_plan, config, problems, cells, log, n_parallel, ui)
+    except BaseException:
+        if new_folder:  # refused before anything ran (a model that cannot load, -np too large): leave no folder
+            _remove_if_empty(out)
+        raise
+    if base is not None:
         # only now, with every model loaded, does the folder take this run's settings
         write_config(out / "config.json", config)
         # the loaded backend runs full KV (the reference); every cell swaps in its own policy
@@ -348,6 +345,38 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
     rec.update(budget_tokens=budget, target_active_tokens=round(target, 2), simulated_active_tokens=round(simulated, 2),
                match_error=round(err, 4), matched_within=abs(err) <= TOLERANCE, match_runs=len(runs))
     return rec
+
+
+def _load_for(opts: RunOptions, rescue_plan, config: dict, problems, cells, log: RecordLog, n_parallel: int,
+              ui: Output):
+    """The models a bench with cells left to run needs, and the prompts of its problems with cells left.
+
+    Returns:
+        (base backend, the rescue cells' models or None, {problem id: prompt ids}).
+    Raises:
+        UserError / ValueError: a model that cannot load, a prompt over ``-c``, ``-np`` too large for memory.
+    """
+    rescue_cells = None
+    with ui.status("loading model…"):
+        base = build_backend(replace(opts, policy=REFERENCE))
+    if rescue_plan is not None:
+        with ui.status("loading helper and scorer…"):
+            rescue_cells = RescueCells(base, opts, rescue_plan)
+    _check_provenance(config, run_provenance(base.source.path))
+    # every prompt left to run fits -c (and is valid text), for each model that prefills it
+    tokenizers = [base.tokenizer] + ([rescue_cells.helper.tokenizer] if rescue_cells is not None else [])
+    prompts = {p.id: [problem_prompt(t, p, opts.ctx_size) for t in tokenizers][0] for p in problems
+               if any(record_key(p.id, c, b) not in log.done for c, b in cells)}
+    check_parallel(n_parallel, base, max(map(len, prompts.values())), opts.n_predict)
+    return base, rescue_cells, prompts
+
+
+def _remove_if_empty(out: Path) -> None:
+    """Remove ``out`` if it holds nothing (a folder this run created and then wrote nothing to)."""
+    try:
+        out.rmdir()
+    except OSError:
+        pass
 
 
 def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:

@@ -95,6 +95,12 @@ class Engine:
         """A candidate's sequence, sharing the committed state (nothing is decoded again)."""
         return self.backend.fork(self.seq)
 
+    def scoring_fork(self) -> Sequence:
+        """A fork of the committed state for one scoring forward; on a backend that can, it keeps none of
+        the scored tokens' K/V (``scoring_fork``), else a plain :meth:`fork`."""
+        make = getattr(self.backend, "scoring_fork", None)
+        return make(self.seq) if make is not None else self.backend.fork(self.seq)
+
     def release(self, seq: Sequence | None) -> None:
         """Free a candidate's fork (None is ignored)."""
         if seq is not None:

@@ -29,7 +29,10 @@ Two ways to run a step, same committed steps and transcript for the same seed (`
 * batched (default): the N_b base candidates advance as one batch (one ``decode_batch`` forward per
   token on the base), then the N_h helper candidates as one batch on the helper
   (:func:`zoomr.backends.generation.generate_batch`); an aborted candidate leaves its batch at once.
-  All N_b (then N_h) forks are alive together. Events of one model's batch interleave: every
+  When both roles run on one set of weights (the torch helper that is the base's own model with full
+  KV, ``shares_weights``), all N_b + N_h candidates form a single batch instead, each fork keeping its
+  own cache: one read of the weights per token serves both models' candidates.
+  All forks of a batch are alive together. Events of one batch interleave: every
   ``candidate_started`` of the batch first, then tokens in forward order (per forward, candidates
   in index order), an abort at the token that triggered it; ``candidate_finished`` of the survivors
   follow the batch in index order, and ``candidate_scored`` after both batches, in index order. The
@@ -47,6 +50,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler
@@ -217,9 +222,12 @@ class RescueLoop:
         sampled: list[Candidate | None] = []   # batched: every candidate, sampled before any is scored
         try:
             if self.config.batched:
-                for engine, first, n in ((self.base, 0, nb), (self.helper, nb, nh)):
-                    if n:
-                        sampled += self._sample_batch(step, range(first, first + n), engine, n_tokens)
+                members = list(enumerate(plan))
+                # one model's weights behind both roles: all N_b + N_h candidates share each forward
+                groups = [members] if _shares_weights(self.base, self.helper) else [members[:nb], members[nb:]]
+                for group in groups:
+                    if group:
+                        sampled += self._sample_batch(step, group, n_tokens)
             scores: dict[int, float] = {}
             batch_score = getattr(self.scorer, "score_batch", None)
             if sampled and batch_score is not None:
@@ -244,53 +252,57 @@ class RescueLoop:
             raise
         return best, survivors
 
-    def _sample_batch(self, step: int, indices: range, engine: Engine, n_tokens: int) -> list[Candidate | None]:
-        """Candidates ``indices`` of ``engine``, sampled together (one forward per token for all that
-        still run); None where the detector aborted one. Same events as :meth:`_sample` per candidate,
-        interleaved (see the module docstring)."""
-        src = engine.role
-        for index in indices:
-            self.events.emit(CandidateStarted(step, index, src))
+    def _sample_batch(self, step: int, members: list[tuple[int, Engine]], n_tokens: int) -> list[Candidate | None]:
+        """Candidates ``members`` (index, engine), sampled together (one forward per token for all that
+        still run, on the first engine's backend: the engines of one batch share weights); None where the
+        detector aborted one. Same events as :meth:`_sample` per candidate, interleaved (see the module
+        docstring)."""
+        indices = [index for index, _ in members]
+        engines = [engine for _, engine in members]
+        for index, engine in members:
+            self.events.emit(CandidateStarted(step, index, engine.role))
         seqs: list = []
         try:
-            seqs = [engine.fork() for _ in indices]
-            detectors = [DegenerationDetector(self.config.detector) for _ in indices]
-            gens = [GenerationStats() for _ in indices]
+            seqs = [engine.fork() for engine in engines]
+            detectors = [DegenerationDetector(self.config.detector) for _ in members]
+            gens = [GenerationStats() for _ in members]
 
             def on_token(b: int, tok) -> bool:
                 if self.stop_requested():
                     raise KeyboardInterrupt
+                engine = engines[b]
                 engine.generated += 1
                 sig = detectors[b].observe(tok.text, tok.entropy)
                 kv = engine.backend.kv_stats(seqs[b])
-                self.events.emit(CandidateToken(step, indices[b], src, tok.token, tok.text, sig.tokens,
+                self.events.emit(CandidateToken(step, indices[b], engine.role, tok.token, tok.text, sig.tokens,
                                                 round(sig.entropy, 4), round(sig.mean_entropy, 4),
                                                 round(sig.gzip_ratio, 4), kv.active_tokens, kv.active_bytes,
                                                 kv.full_tokens, kv.full_bytes))
-                if sig.abort and src == "base" and self.config.early_exit:
-                    self.events.emit(CandidateAborted(step, indices[b], src, sig.abort, sig.tokens, sig.as_dict(),
-                                                      gens[b].text))
+                if sig.abort and engine.role == "base" and self.config.early_exit:
+                    self.events.emit(CandidateAborted(step, indices[b], engine.role, sig.abort, sig.tokens,
+                                                      sig.as_dict(), gens[b].text))
                     engine.release(seqs[b])
                     seqs[b] = None
                     return True
                 return False
 
-            generate_batch(engine.backend, list(seqs), [self.sampler.substream(step, i) for i in indices],
-                           n_tokens, gens, engine.next_logits, stop=(self.config.step_end,), entropy=True,
-                           on_token=on_token)
+            logits = np.stack([engine.next_logits for engine in engines])
+            generate_batch(engines[0].backend, list(seqs), [self.sampler.substream(step, i) for i in indices],
+                           n_tokens, gens, logits, stop=(self.config.step_end,), entropy=True, on_token=on_token)
         except BaseException:
-            for seq in seqs:
+            for engine, seq in zip(engines, seqs):
                 engine.release(seq)
             raise
         out: list[Candidate | None] = []
-        for b, index in enumerate(indices):
+        for b, (index, engine) in enumerate(members):
             gen = gens[b]
             if seqs[b] is None:
                 out.append(None)
                 continue
-            self.events.emit(CandidateFinished(step, index, src, gen.stop_reason, gen.generated_tokens, gen.text))
-            out.append(Candidate(step, index, src, engine, seqs[b], list(gen.token_ids), gen.text, gen.stop_reason,
-                                 gen.next_logits))
+            self.events.emit(CandidateFinished(step, index, engine.role, gen.stop_reason, gen.generated_tokens,
+                                               gen.text))
+            out.append(Candidate(step, index, engine.role, engine, seqs[b], list(gen.token_ids), gen.text,
+                                 gen.stop_reason, gen.next_logits))
         return out
 
     def _sample(self, step: int, index: int, engine: Engine, n_tokens: int) -> Candidate | None:
@@ -340,6 +352,13 @@ class RescueLoop:
                                        {winner.role: 0, other.role: prefilled}, best.final))
         for engine in (self.base, self.helper):
             self.events.emit(KVSnapshot(best.step, engine.role, engine.backend.kv_stats(engine.seq).as_dict()))
+
+
+def _shares_weights(a: Engine, b: Engine) -> bool:
+    """Both roles run on one set of weights (the torch backend's helper view of the base's own model), so
+    their candidates can share a batch; a backend without ``shares_weights`` never does."""
+    check = getattr(a.backend, "shares_weights", None)
+    return check is not None and check(b.backend)
 
 
 def _drop(cand: Candidate) -> None:

@@ -99,7 +99,8 @@ class HelperLikelihoodScorer:
 
     def score_batch(self, ctx: StepContext, cands: list[Candidate]) -> list[float]:
         """:meth:`score` of each candidate; the non-empty ones prefilled together in one
-        ``prefill_batch`` forward over forks of the helper (one fork per candidate, freed after)."""
+        ``prefill_batch`` forward over scoring forks of the helper (one per candidate; on the torch backend
+        they keep none of the scored tokens' K/V), freed after."""
         helper = ctx.helper
         ids = [helper.ids_of(c) for c in cands]
         out = [0.0] * len(cands)
@@ -112,7 +113,7 @@ class HelperLikelihoodScorer:
             return out
         seqs = []
         try:
-            seqs = [helper.fork() for _ in rows]
+            seqs = [helper.scoring_fork() for _ in rows]
             if len(rows) == 1:
                 logits = [helper.backend.prefill(seqs[0], ids[rows[0]], all_logits=True)]   # [T, vocab]
             else:
