@@ -1,11 +1,12 @@
-"""Prefill and decode throughput of the torch backend (dense fp32/fp16/bf16, int8, int4) against llama-cpp-python.
+"""Prefill and decode throughput of the torch backend (dense fp32/fp16/bf16, int8, int4, fp16 weights) against llama-cpp-python.
 
 Same model file, same prompt, same thread count, greedy decoding; every engine is timed in this
 process one after the other, so the ratios are comparable even though absolute times vary by machine
 (and by what else runs on it: one run, not a median).
 
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
-(``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``. ``--json PATH`` writes the rows:
+(``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, and ``fp16w`` (``--quant fp16``:
+fp16 weights in fbgemm's fp32-compute GEMM, x86 CPUs only). ``--json PATH`` writes the rows:
 ``engine``, ``prefill_tok_s``, ``decode_tok_s``, ``prefill_ratio`` and ``decode_ratio`` (over llama.cpp's),
 ``weight_MiB``, ``dtype``, ``kv_dtype``. ``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32
 on a CPU), e.g. to compare fp32 and bf16 attention at a long ``--prompt-tokens``.
@@ -29,7 +30,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 # row name → (--dtype, --quant)
 ROWS = {"fp32": ("fp32", "none"), "fp16": ("fp16", "none"), "bf16": ("bf16", "none"), "int8": ("auto", "int8"),
-        "int4": ("auto", "int4")}
+        "int4": ("auto", "int4"), "fp16w": ("auto", "fp16")}
 
 
 def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, device: str,

@@ -28,7 +28,7 @@ def run_bench(args, n_parallel: int, out: Path) -> float:
     """Seconds one ``zoomr bench`` process takes (model load included)."""
     cmd = [sys.executable, "-m", "zoomr", "bench", "--dataset", "gsm8k", "--limit", str(args.limit),
            "-n", str(args.n_predict), "--policies", args.policies, "--budget", str(args.budget),
-           "--device", args.device, "--dtype", args.dtype, "-t", str(args.threads), "--no-live",
+           "--device", args.device, "--dtype", args.dtype, "--quant", args.quant, "-t", str(args.threads), "--no-live",
            "-np", str(n_parallel), "--out", str(out)] + (["-m", args.model] if args.model else [])
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -57,7 +57,7 @@ def main() -> None:
                 for n, out in outs.items()}
     diffs = record_differences(recs[1], recs[args.parallel])
     record = {"limit": args.limit, "n_predict": args.n_predict, "policies": args.policies, "budget": args.budget,
-              "device": args.device, "dtype": args.dtype, "threads": args.threads, "parallel": args.parallel,
+              "device": args.device, "dtype": args.dtype, "quant": args.quant, "threads": args.threads, "parallel": args.parallel,
               "cells": len(recs[1]), "wall_s_np1": round(wall[1], 2), f"wall_s_np{args.parallel}": round(wall[args.parallel], 2),
               "ratio": round(wall[1] / wall[args.parallel], 2), "records_equal": not diffs, "differences": diffs[:10],
               "generated_tokens": sum(r["tokens_generated"] for r in recs[1]),

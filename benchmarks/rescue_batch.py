@@ -151,7 +151,8 @@ def main() -> None:
     from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
 
     source = resolve_model(args.model)
-    helper = TorchBackend(source, device=args.device, dtype=args.dtype, n_ctx=4096, threads=args.threads)
+    helper = TorchBackend(source, device=args.device, dtype=args.dtype, n_ctx=4096, threads=args.threads,
+                        quant=args.quant)
     base = helper.with_cache_factory(PolicyCacheFactory(PolicySpec("rkv", args.budget)))
     load0 = os.getloadavg()
     rows = []
@@ -159,7 +160,7 @@ def main() -> None:
         rows.append(run_mode(base, helper, mode == "batched", args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "committed"}), file=sys.stderr, flush=True)
     by = {r["mode"]: r for r in rows}
-    record = {"model": source.name, "dtype": args.dtype, "threads": args.threads, "cpus": os.cpu_count(),
+    record = {"model": source.name, "dtype": args.dtype, "quant": args.quant, "threads": args.threads, "cpus": os.cpu_count(),
               "nb": args.nb, "nh": args.nh, "max_steps": args.steps, "step_tokens": args.step_tokens,
               "budget": args.budget, "seed": args.seed, "load_avg_start": load0, "load_avg_end": os.getloadavg(),
               "rows": rows}

@@ -103,7 +103,7 @@ def check_quant_option(opts: RunOptions) -> None:
     the file's own quantization).
 
     Raises:
-        UserError: an unknown mode, or ``--quant int8|int4|none`` with ``--backend llamacpp``.
+        UserError: an unknown mode, or ``--quant int8|int4|fp16|none`` with ``--backend llamacpp``.
     """
     from zoomr.backends.torch.quant import check_quant
 

@@ -16,7 +16,7 @@ from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
 
 from .model import Decoder, default_kv_dtype
-from .quant import check_quant
+from .quant import check_quant, fp16_gemm_available
 from .weights import load_gguf, load_hf_dir
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -54,10 +54,16 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
 
     Args:
         spec: ``auto``, ``fp32``, ``bf16``, ``fp16`` (or the long names).
-        kernel: what the model's linears run: ``dense``, ``int4`` or ``int8``.
+        kernel: what the model's linears run: ``dense``, ``int4``, ``int8`` or ``fp16`` (fbgemm: always fp32).
     Raises:
-        ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included).
+        ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included), or a
+            half dtype for the ``fp16`` kernel.
     """
+    if kernel == "fp16":  # fbgemm's fp16 GEMM takes and returns fp32 activations
+        if spec in ("auto", "fp32", "float32"):
+            return torch.float32
+        raise ValueError(f"--quant fp16 computes in fp32 (fp16 weights, fp32 activations): use --dtype fp32 "
+                         f"or auto, not {spec}")
     if spec == "auto":
         if device.type == "cpu":
             from .dtype_probe import cpu_half_dtype
@@ -100,7 +106,7 @@ def resolve_quant(quant: str, kind: str, dtype: str) -> str:
     are ~10× slower on CPU, and dense fp32 weights dequantized from the blocks hold the same values).
 
     Args:
-        quant: ``auto``, ``none``, ``int8``, ``int4``; kind: ``gguf`` or ``hf``; dtype: the ``--dtype`` given.
+        quant: ``auto``, ``none``, ``int8``, ``int4``, ``fp16``; kind: ``gguf`` or ``hf``; dtype: the ``--dtype`` given.
     Raises:
         ValueError: an unknown mode.
     """
@@ -134,8 +140,8 @@ class TorchBackend:
         device: "auto", "cpu", "cuda", "cuda:1" ...
         dtype: "auto", "fp32", "bf16", "fp16".
         quant: "auto" (keep a GGUF's Q4_0/Q4_1/Q8_0 blocks as int4, exactly; none for HF), "none" (dense in the
-            compute dtype), "int8" or "int4" (quantize at load; GGUF Q4 blocks stay exact under int4). See
-            :mod:`zoomr.backends.torch.quant`.
+            compute dtype), "int8" or "int4" (quantize at load; GGUF Q4 blocks stay exact under int4), "fp16"
+            (fp16 weights, fp32 compute, CPU only). See :mod:`zoomr.backends.torch.quant`.
         n_ctx: most positions a sequence may hold (tokens), ``-c``.
         threads: CPU threads for torch (``-t``); None keeps torch's default.
         cache_factory: builds the KV cache of each new sequence; default full KV on the device.
@@ -158,7 +164,10 @@ class TorchBackend:
         self.source = source
         self.device = pick_device(device)
         self.quant = resolve_quant(quant, source.kind, dtype)
-        kernel = {"none": "dense", "int8": "int8"}.get(self.quant, "int4")
+        if self.quant == "fp16" and not fp16_gemm_available(self.device):
+            raise ValueError(f"--quant fp16 runs fbgemm's fp16 GEMM on an x86 CPU, not on {self.device.type} "
+                             "(use --quant int4 or none)")
+        kernel = {"none": "dense", "int8": "int8", "fp16": "fp16"}.get(self.quant, "int4")
         self.dtype = pick_dtype(dtype, self.device, kernel)
         if source.kind == "gguf":
             cfg, tensors, meta = load_gguf(source.path, keep_blocks=self.quant != "none")

@@ -14,6 +14,10 @@ a float copy, and turned into torch's packed-weight kernels:
   d, zero 8d. Same bytes as int8, same values as the file.
 - :class:`Int8Linear`: ``torch.ops.aten._weight_int8pack_mm``: signed 8-bit codes, one scale per output row
   (the kernel has no groups), so GGUF blocks are re-quantized per row (lossy; ``--quant int8`` only).
+- :class:`Fp16Linear`: fbgemm's packed fp16 GEMM (``--quant fp16``, x86 CPUs): fp16 weights, fp32 activations
+  and accumulation. Not a 4/8-bit format (twice int4's bytes), but on an AVX2 CPU it decoded as fast as the
+  int4 kernel in bf16, prefilled ~2× faster, kept the fp32 path's agreement with llama.cpp, and its cost grows
+  least with the batch (``benchmarks/backend_speed.py`` row ``fp16w``, ``batch_throughput.py --quant fp16``).
 - :class:`DenseLinear`: ``F.linear`` on a compute-dtype weight (``--quant none``, and file types the kernels
   cannot hold, such as F16 or Q6_K).
 
@@ -36,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # GGUF's block of Q4_0/Q4_1/Q8_0; also the group the int4 kernel runs at load-time quantization
-QUANT_MODES = ("auto", "none", "int8", "int4")
+QUANT_MODES = ("auto", "none", "int8", "int4", "fp16")
 # ggml type names whose blocks map onto :class:`GroupQuant` exactly
 GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 # the CPU int4 kernel packs output rows in tiles of 16
@@ -299,7 +303,48 @@ class Int8Linear:
         return sum(t.numel() * t.element_size() for t in (self.w8, self.scale, self.b) if t is not None)
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear
+def fp16_gemm_available(device: torch.device) -> bool:
+    """fbgemm's packed fp16 GEMM runs here: a CPU device and a torch build with fbgemm (x86)."""
+    return (device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
+            and hasattr(torch.ops.quantized, "linear_prepack_fp16"))
+
+
+class Fp16Linear:
+    """fp16 weights, fp32 activations and accumulation: fbgemm's packed fp16 GEMM
+    (``torch.ops.quantized.linear_prepack_fp16`` / ``linear_dynamic_fp16``; x86 CPUs).
+
+    Half the bytes of fp32 weights, read and widened inside the kernel, so the results are those of fp32
+    weights rounded to fp16 (11 significant bits; a GGUF Q4/Q8 weight rounds by at most 2⁻¹¹ of itself),
+    with fp32 activations: nothing else is rounded. No activation is quantized, so a row of a batch gets
+    what it gets alone, up to fp32 summation order.
+
+    Args:
+        w: [N, K] float32 weight (GGUF blocks dequantized first); b: [N] bias or None.
+    Raises:
+        ValueError: no fbgemm here (not an x86 CPU build).
+    """
+
+    def __init__(self, w: np.ndarray, b: np.ndarray | None):
+        if not fp16_gemm_available(torch.device("cpu")):
+            raise ValueError("--quant fp16 runs fbgemm's fp16 GEMM, which this torch build lacks (x86 CPUs "
+                             "only): use --quant int4 or none")
+        wt = torch.from_numpy(np.ascontiguousarray(w, np.float32))
+        bt = None if b is None else torch.from_numpy(np.ascontiguousarray(b, np.float32))
+        self.packed = torch.ops.quantized.linear_prepack_fp16(wt, bt)
+        self.shape = tuple(wt.shape)
+        self.has_bias = b is not None
+        self.kind = "fp16 (fbgemm)"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 → [T, N] float32."""
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def nbytes(self) -> int:
+        N, K = self.shape
+        return 2 * N * K + (4 * N if self.has_bias else 0)
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | Fp16Linear
 Weight = np.ndarray | GroupQuant
 
 
@@ -309,16 +354,21 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
 
     ``auto`` keeps GGUF blocks as int4 (exact) and float weights dense; ``int4`` also quantizes float weights
     (group 32, asymmetric) and re-quantizes block types whose codes do not fit (none: every supported block
-    type fits, Q8_0 as two planes); ``int8`` re-quantizes everything per row; ``none`` is dense.
+    type fits, Q8_0 as two planes); ``int8`` re-quantizes everything per row; ``fp16`` holds every weight in
+    fp16 for fbgemm's fp32-compute GEMM (:class:`Fp16Linear`, CPU); ``none`` is dense.
 
     Args:
         parts: [N_i, K] float32 arrays or :class:`GroupQuant` (same K), stacked in order.
         bias: [ΣN_i] float32 or None.
-        mode: resolved ``--quant`` (auto, none, int8, int4).
+        mode: resolved ``--quant`` (auto, none, int8, int4, fp16).
+    Raises:
+        ValueError: ``fp16`` where fbgemm is missing.
     """
     all_blocks = all(isinstance(p, GroupQuant) for p in parts)
     if mode == "none" or (mode == "auto" and not all_blocks):
         return DenseLinear(_stack_dense(parts), bias, device, dtype)
+    if mode == "fp16":
+        return Fp16Linear(_stack_dense(parts), bias)
     if mode == "int8":
         src = "/".join(sorted({p.source if isinstance(p, GroupQuant) else "float" for p in parts}))
         return Int8Linear(_stack_dense(parts), bias, device, dtype, source=src)

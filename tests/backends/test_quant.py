@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from conftest import assert_one_line_error, zoomr
 from zoomr.backends.torch import dtype_probe
 from zoomr.backends.torch.engine import resolve_quant
-from zoomr.backends.torch.quant import (GROUP, DenseLinear, GroupQuant, Int4Linear, Int8Linear, QuantEmbedding,
-                                        check_quant, from_gguf_blocks, make_linear, quantize_int4)
+from zoomr.backends.torch.quant import (GROUP, DenseLinear, Fp16Linear, GroupQuant, Int4Linear, Int8Linear,
+                                        QuantEmbedding, check_quant, fp16_gemm_available, from_gguf_blocks,
+                                        make_linear, quantize_int4)
 
 CPU = torch.device("cpu")
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -94,6 +95,44 @@ def test_int8_kernel_equals_its_per_row_weight():
     np.testing.assert_allclose(lin(x).numpy(), F.linear(x.double(), wq.double()).numpy(), atol=1e-4, rtol=1e-5)
 
 
+needs_fbgemm = pytest.mark.skipif(not fp16_gemm_available(CPU), reason="fbgemm's fp16 GEMM is x86-only")
+
+
+@needs_fbgemm
+def test_fp16_kernel_equals_fp32_math_on_fp16_rounded_weights():
+    """fp16 weights, fp32 activations: F.linear on the weight rounded to fp16, nothing else rounded; each row
+    of a batch the same as alone up to fp32 summation order (no activation quantization couples the rows)."""
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((48, 96)).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    lin = Fp16Linear(w, b)
+    x = linear_inputs(96, T=5)
+    w16 = torch.from_numpy(w).half().double()
+    want = F.linear(x.double(), w16, torch.from_numpy(b).double())
+    np.testing.assert_allclose(lin(x).double().numpy(), want.numpy(), atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(lin(x[2:3]).numpy(), lin(x)[2:3].numpy(), atol=1e-5, rtol=1e-6)  # fp32 order only
+    assert lin.nbytes() == 2 * 48 * 96 + 4 * 48 and lin(x).dtype == torch.float32
+
+
+@needs_fbgemm
+def test_fp16_weights_run_in_fp32_and_refuse_half_dtypes(embedded_path):
+    from zoomr.backends.models import resolve_model
+    from zoomr.backends.torch.engine import TorchBackend, pick_dtype
+
+    assert pick_dtype("auto", CPU, "fp16") == torch.float32 == pick_dtype("fp32", CPU, "fp16")
+    with pytest.raises(ValueError, match="--quant fp16 computes in fp32"):
+        pick_dtype("bf16", CPU, "fp16")
+    be = TorchBackend(resolve_model(None), device="cpu", quant="fp16", n_ctx=64)
+    assert be.dtype == torch.float32 and be.model.weight_summary() == "fp16 (fbgemm), head fp16 (fbgemm)"
+    dense = TorchBackend(resolve_model(None), device="cpu", dtype="fp32", n_ctx=64)
+    ids = be.tokenizer.encode("Janet has 16 eggs.", special=False)
+    a, b = be.prefill(be.new_sequence(), ids, all_logits=True), dense.prefill(dense.new_sequence(), ids, all_logits=True)
+    assert (a.argmax(-1) == b.argmax(-1)).all() and np.abs(a - b).max() < 0.05
+    r = zoomr("solve", "-p", "hi", "-n", "2", "--quant", "fp16", "--dtype", "bf16")
+    assert_one_line_error(r)
+    assert "--quant fp16 computes in fp32" in r.stderr
+
+
 def test_quantize_int4_within_half_a_step():
     w = np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)
     w[3, :32] = 0.25  # a constant group is exact
@@ -119,6 +158,8 @@ def test_make_linear_modes():
     assert isinstance(make_linear([blocks, dense], None, "int4", CPU, torch.float32), Int4Linear)
     assert isinstance(make_linear([blocks], None, "int8", CPU, torch.float32), Int8Linear)
     assert isinstance(make_linear([blocks], None, "none", CPU, torch.float32), DenseLinear)
+    if fp16_gemm_available(CPU):
+        assert isinstance(make_linear([blocks, dense], None, "fp16", CPU, torch.float32), Fp16Linear)
 
 
 def test_quant_resolution():
