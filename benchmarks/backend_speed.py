@@ -1,4 +1,4 @@
-"""Prefill and decode throughput of the torch backend (dense fp32/fp16/bf16, int8, int4, fp16 weights) against llama-cpp-python.
+"""Prefill and decode throughput of the torch backend (dense, int8, int4, fp16 weights) against llama-cpp-python.
 
 Same model file, same prompt, same thread count, greedy decoding; every engine is timed in this
 process one after the other, so the ratios are comparable even though absolute times vary by machine

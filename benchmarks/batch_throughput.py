@@ -11,7 +11,7 @@ decodes forks of the first B of them.
 The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv and zoomr. Ratios come from one
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
-    python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16|int4] [--batches 1 2 4 8 16] [--steps 16]
+    python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16] [--batches 1 2 4 8 16] [--steps 16]
         [--policies full rkv zoomr] [--attention per_seq padded] [--no-llamacpp] [--json out.json|-]
 """
 
@@ -84,8 +84,8 @@ def torch_rows(args, source) -> list[dict]:
                     return be.forward_batch(ss, [[t] for t in tok], attention=attention)
 
                 sec = decode_steps(step, seqs, first[:B], args.steps)
-                row = {"engine": "torch", "dtype": args.dtype, "quant": args.quant, "policy": policy, "attention": attention,
-                       "batch": B,
+                row = {"engine": "torch", "dtype": args.dtype, "quant": args.quant, "policy": policy,
+                       "attention": attention, "batch": B,
                        "decode_tok_s": B * args.steps / sec,
                        "attended_max": max(s.cache.stats().active_tokens for s in seqs)}
                 ref = ref or row["decode_tok_s"]

@@ -274,3 +274,11 @@ def test_cli_1mb_line_is_one_line_too_long_for_c(tmp_path):
     assert_one_line_error(r)
     assert re.fullmatch(r"zoomr: error: the prompt has \d{6} tokens, more than -c 2048 allows",
                         r.stderr.strip().splitlines()[-1]), r.stderr
+
+
+def test_a_prompt_over_c_is_refused_before_the_model_line():
+    """Known only once the tokenizer is loaded, so after "loading model…", but before anything else is said."""
+    r = zoomr("solve", "-p", "Janet has sixteen eggs and eats three of them.", "-n", "4", "-c", "20", "--no-live")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["loading model…",
+                                             "zoomr: error: the prompt has 60 tokens, more than -c 20 allows"], r.stderr

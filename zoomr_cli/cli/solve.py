@@ -56,8 +56,10 @@ def solve(
 
     with out.status("loading model…"):
         backend = build_backend(opts)
-    out.info(backend.describe())
     system = system_with_summaries(system, opts.policy, opts.knob("summaries"))
+    # a prompt over -c is refused before the model line: the error is then the only line after "loading model…"
+    solving.fit_prompt(backend.tokenizer, problem, system, backend.n_ctx)
+    out.info(backend.describe())
     if verbose:
         attach_live_events(kv_events(backend), out)
     result = solving.solve(backend, problem, system=system, sampling=sampling, n_predict=opts.n_predict,
