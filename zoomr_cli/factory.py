@@ -78,12 +78,24 @@ BACKENDS: dict[str, Callable[[RunOptions], Backend]] = {"torch": _torch, "llamac
 
 
 def build_backend(opts: RunOptions) -> Backend:
-    """The backend ``opts.backend`` names, with the model loaded.
+    """The backend ``opts.backend`` names, with the model loaded (:func:`check_options` first).
 
     Raises:
-        UserError: unknown backend or policy name.
-        ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
+        UserError / ValueError: see :func:`check_options`.
         backends.models.ModelNotFound, backends.torch.weights.ModelLoadError (ValueError): bad model.
+    """
+    check_options(opts)
+    return BACKENDS[opts.backend](opts)
+
+
+def check_options(opts: RunOptions) -> None:
+    """Everything about ``opts`` that is known without the model, so a command can refuse bad flags before
+    it says "loading model…".
+
+    Raises:
+        UserError: unknown backend, policy, ``--dtype``, ``--quant`` or ``--kv-dtype``; a half ``--dtype`` with
+            ``--quant fp16``; ``-c``/``-n``/``-t`` out of range (:func:`check_lengths`).
+        ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
     """
     if opts.backend not in BACKENDS:
         raise UserError(f"--backend {opts.backend!r} unknown (choose from {', '.join(BACKENDS)})")
@@ -95,7 +107,18 @@ def build_backend(opts: RunOptions) -> Backend:
     check_lengths(opts)
     check_quant_option(opts)
     check_kv_dtype_option(opts)
-    return BACKENDS[opts.backend](opts)
+    if opts.backend == "torch":
+        import torch
+
+        from zoomr.backends.torch.engine import DTYPES, pick_dtype
+
+        if opts.dtype != "auto" and opts.dtype not in DTYPES:
+            raise UserError(f"--dtype {opts.dtype!r} unknown (choose from auto, {', '.join(DTYPES)})")
+        if opts.quant == "fp16":
+            try:
+                pick_dtype(opts.dtype, torch.device("cpu"), "fp16")
+            except ValueError as e:
+                raise UserError(str(e)) from None
 
 
 def check_quant_option(opts: RunOptions) -> None:

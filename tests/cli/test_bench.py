@@ -81,6 +81,7 @@ def test_ctrl_c_keeps_finished_cells_and_says_so(tmp_path):
     kept = rec_path.read_text().count("\n")
     assert 1 <= kept < 4 and "Traceback" not in err
     assert len(json.loads((out / "summary.json").read_text())["rows"]) >= 1  # written on the way out
+    assert "with --resume runs the rest" in err.strip().splitlines()[-2]
 
 
 def lines_in(path) -> int:

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 from importlib import metadata
+from pathlib import Path
 
 try:
     import tomllib
@@ -164,3 +165,58 @@ def test_ctrl_c_keeps_partial_result(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["stop_reason"] == "interrupted" and 0 < rec["tokens_generated"] < 2000
     assert rec["text"].startswith(first.strip()[:10])
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory no file can be created in: a mode-555 folder, or (as root, whom modes do not stop) /sys."""
+    from zoomr.cli.inputs import unwritable
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        for cand in (d, Path("/sys")):
+            if cand.is_dir() and unwritable(cand) is not None:
+                yield cand
+                return
+        pytest.skip("no unwritable directory on this machine")
+    finally:
+        os.chmod(d, 0o755)
+
+
+def test_json_into_an_unwritable_directory_is_refused_before_the_model_loads(unwritable_dir):
+    r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", "--json", str(unwritable_dir / "r.json"))
+    assert_one_line_error(r)
+    assert r.stderr.strip().startswith(f"zoomr: error: --json {unwritable_dir / 'r.json'}: cannot write there (")
+    assert "loading model" not in r.stderr
+
+
+def test_bench_out_unwritable_is_refused_before_the_model_loads(unwritable_dir):
+    r = zoomr("bench", "--limit", "1", "-n", "2", "--policies", "full", "--no-live", "--out", str(unwritable_dir))
+    assert_one_line_error(r)
+    assert r.stderr.strip().startswith(f"zoomr: error: --out {unwritable_dir}: cannot write there (")
+    assert "loading model" not in r.stderr
+
+
+def test_a_record_that_cannot_be_written_at_the_end_goes_to_the_temp_dir(unwritable_dir):
+    """The check at the start passed, then the path failed (disk full, mount gone): the record is kept elsewhere."""
+    from zoomr.cli.inputs import write_json
+    from zoomr.errors import UserError
+
+    record = {"answer": "4", "tokens": [1, 2, 3]}
+    with pytest.raises(UserError, match="cannot write .* the record was written to ") as e:
+        write_json(str(unwritable_dir / "r.json"), record, indent=2)
+    kept = Path(str(e.value).rsplit("written to ", 1)[1].removesuffix(" instead"))
+    try:
+        assert json.loads(kept.read_text()) == record
+    finally:
+        kept.unlink()
+
+
+@pytest.mark.parametrize("flags", [["--quant", "int3"], ["--dtype", "fp64"], ["--kv-dtype", "fp8"], ["-c", "0"],
+                                   ["--quant", "fp16", "--dtype", "bf16"], ["--rescue", "--dtype", "fp64"]])
+def test_bad_model_flags_are_refused_before_the_model_loads(flags):
+    r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", *flags)
+    assert_one_line_error(r)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no "loading model…" before the error

@@ -36,6 +36,7 @@ from zoomr.errors import UserError
 from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
 from zoomr.options import RunOptions, knob_scope, not_read
 from zoomr.cli.options import model_options
+from zoomr.cli.inputs import unwritable
 from zoomr.cli.render import Output, count
 from zoomr.rescue.plan import RescueOptions
 from zoomr.cli.rescue_options import rescue_options
@@ -123,7 +124,8 @@ def bench(
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain line per finished cell.")] = False,
     n_parallel: Annotated[int, typer.Option("-np", "--parallel", help="Decode N sequences (cells of one or several "
                                             "problems, fidelity passes included) together in one batched forward; "
-                                            "a finished one leaves and the next joins. Records equal -np 1's. Each "
+                                            "a finished one leaves and the next joins. Records equal -np 1's under greedy "
+                                            "--dtype fp32 (elsewhere up to float rounding). Each "
                                             "sequence has its own cache: N is bounded by free memory, not -c.")] = 1,
     show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
                                                 "(problems, source, fields) and exit.")] = False,
@@ -153,7 +155,7 @@ def bench(
     check_lengths(opts)
     budgets = sorted(set(budget or [knob_flags()["budget"].default]))
     if min(budgets) < 1:
-        raise UserError(f"--budget must be >= 1 token, got {min(budgets)}")
+        raise UserError(f"--budget must be at least 1 token, got {min(budgets)}")
     if match_budget and budget:
         raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
     if budget and not rescue.rescue and not set(chosen) & set(budgeted()):
@@ -207,6 +209,7 @@ def bench(
     task = progress.add_task("bench", total=total)
     live = Live(Group(progress, _table(summarize(log.records))), refresh_per_second=2, transient=False,
                 console=ui.err) if not no_live and ui.err.is_terminal else None
+    interrupted = False
     try:
         if live:
             live.start()
@@ -253,10 +256,15 @@ def bench(
                                           _zoomr_record(log, problem.id))
                         budget_tokens = rec.pop("budget_tokens")
                     record((problem.id, policy, b), rec, budget_tokens)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         if live:
             live.stop()
-        _finish(out, config, log, ui)
+        _finish(out, config, log, ui)  # also after an error: the summary of whatever finished
+        if interrupted:
+            ui.info(f"interrupted: finished cells are kept in {out}; the same command with --resume runs the rest")
     return 0
 
 
@@ -390,6 +398,9 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot create the folder ({e.strerror or e})") from None
+    why = unwritable(out)
+    if why is not None:
+        raise UserError(f"--out {out}: cannot write there ({why})")
     cfg_path, rec_path = out / "config.json", out / "records.jsonl"
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")

@@ -18,7 +18,7 @@ from zoomr.backends.chat_prompt import chat_prompt
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
 
-from zoomr.factory import build_backend
+from zoomr.factory import build_backend, check_options
 from zoomr.options import RunOptions, check_knobs_read
 from zoomr.cli.options import model_options
 from zoomr.cli.render import Output, stats_line
@@ -147,6 +147,7 @@ def chat(
     check_knobs_read(opts)
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)
+    check_options(opts)  # bad flags refused before "loading model…"
     with out.status("loading model…"):
         backend = build_backend(opts)
     out.info(backend.describe())

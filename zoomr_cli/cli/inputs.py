@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from zoomr.errors import UserError
@@ -55,7 +57,8 @@ def check_writable(path: str | None) -> None:
     ``-`` is stdout (always writable).
 
     Raises:
-        UserError: the parent directory does not exist or PATH is a directory.
+        UserError: the parent directory does not exist, PATH is a directory, or a file cannot be made there
+            (read-only file system, no permission; tried by creating and removing a scratch file).
     """
     if path is None or path == "-":
         return
@@ -64,14 +67,58 @@ def check_writable(path: str | None) -> None:
         raise UserError(f"--json {path}: is a directory")
     if not p.parent.exists():
         raise UserError(f"--json {path}: directory {p.parent} does not exist")
+    why = unwritable(p.parent)
+    if why is None and p.exists() and not os.access(p, os.W_OK):
+        why = "permission denied"
+    if why is not None:
+        raise UserError(f"--json {path}: cannot write there ({why})")
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (the OS's words), or None when one can: a scratch file is
+    created and removed, since permission bits alone miss read-only mounts and say nothing for root."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".zoomr-probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def write_json(path: str, record: dict, indent: int) -> str:
-    """Write ``record`` as JSON to ``path`` (``-``: stdout, the only thing written there); returns where, in words."""
+    """Write ``record`` as JSON to ``path`` (``-``: stdout, the only thing written there); returns where, in words.
+
+    The file is written beside ``path`` and renamed over it, so a failed write leaves no half record.
+    When ``path`` cannot be written after all (the disk filled up during the run), the record goes to a
+    file in the temporary directory instead, so nothing computed is lost.
+
+    Raises:
+        UserError: ``path`` could not be written (the message names where the record went instead, or
+            that it could not be saved anywhere).
+    """
     text = json.dumps(record, indent=indent, ensure_ascii=False)
     if path == "-":
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
         return "stdout"
-    Path(path).write_text(text)
-    return path
+    try:
+        _write_replacing(Path(path), text)
+        return path
+    except OSError as e:
+        why = e.strerror or str(e)
+    fallback = Path(tempfile.gettempdir()) / f"zoomr-{os.getpid()}-{Path(path).name or 'record.json'}"
+    try:
+        _write_replacing(fallback, text)
+    except OSError:
+        raise UserError(f"--json {path}: cannot write ({why}); the record could not be saved") from None
+    raise UserError(f"--json {path}: cannot write ({why}); the record was written to {fallback} instead")
+
+
+def _write_replacing(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

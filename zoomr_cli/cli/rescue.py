@@ -12,7 +12,7 @@ import signal
 
 from zoomr.backends.sampling import Sampler
 
-from zoomr.factory import build_backend
+from zoomr.factory import build_backend, check_options
 from zoomr.prompts import system_with_summaries
 from zoomr.solving import fit_prompt
 from zoomr.options import RunOptions
@@ -86,6 +86,8 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     sampler = Sampler(opts.sampling(default_temp=0.8))
     for note in plan.notes:
         out.info(note)
+    for flag, flag_opts in (("base", plan.base_opts), ("--helper", plan.helper_opts)):  # before any model loads
+        for_flag(flag, check_options, flag_opts)
     with out.status("loading base model…"):
         base = for_flag("base", build_backend, plan.base_opts)
     # the check plain solve makes (zoomr.solving.fit_prompt), before the helper and scorer load

@@ -8,7 +8,7 @@ import typer
 
 from zoomr import solving
 from zoomr.errors import UserError, check_text
-from zoomr.factory import build_backend
+from zoomr.factory import build_backend, check_options
 from zoomr.kvstore.events import kv_events
 from zoomr.options import RunOptions, check_knobs_read
 from zoomr.prompts import system_with_summaries
@@ -54,6 +54,7 @@ def solve(
     check_knobs_read(opts)
     sampling = opts.sampling(default_temp=0.0)
 
+    check_options(opts)  # bad flags refused before "loading model…"
     with out.status("loading model…"):
         backend = build_backend(opts)
     system = system_with_summaries(system, opts.policy, opts.knob("summaries"))

@@ -97,8 +97,10 @@ def _read_lines(f) -> list[str]:
         data = b"".join(parts)
         del parts
         return data.decode("utf-8-sig").split("\n")
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:
-        raise DatasetError(f"{f}: cannot read ({e})") from None
+    except UnicodeDecodeError as e:  # the byte offset, as a problem file's refusal gives it
+        raise DatasetError(f"{f}: not valid UTF-8 (byte {e.start}): not a JSONL data set") from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetError(f"{f}: cannot read ({getattr(e, 'strerror', None) or e})") from None
 
 
 def _worked_solution(ans) -> bool:
