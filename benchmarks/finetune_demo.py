@@ -15,12 +15,12 @@ Then reads the two ``records.jsonl`` and reports:
   paragraph per problem; ``blank_line_paragraphs`` splits that text further at blank lines, a stricter view;
 - accuracy with full KV, fine-tuned vs base;
 - ZoomR on each: accuracy, mean active KV (tokens) and its share of full KV, top-1 agreement and KL (nats)
-  to full KV, recomputes, AG (tokens active per attention group) mean ± std, summary mode that ran.
+  to full KV, recomputes, AG mean ± std (``ag_mean``/``ag_std`` of zoomr's kv_extra), summary mode that ran.
 
 Numbers depend on the machine's load (recorded). A stopped run keeps its records (bench appends per
 cell): ``--resume`` continues it, ``--report-only`` summarizes what is there.
 
-    python benchmarks/finetune_demo.py FINETUNED_DIR [-m BASE] [-k 50] [-np 8] [-n 256] [-t 2]
+    python benchmarks/finetune_demo.py FINETUNED_DIR [-m BASE] [-k 50] [-np 8] [-n 256] [-t 2] [--dtype fp32]
         [--out demo_out] [--resume] [--report-only] [--json out.json|-]
 """
 
@@ -122,7 +122,7 @@ def run_bench(model: str | None, summaries: str, out: Path, args) -> float:
     """``zoomr bench`` (this interpreter's zoomr) on the first K GSM8K problems; returns its wall seconds."""
     cmd = [sys.executable, "-m", "zoomr_cli", "bench", "--dataset", "gsm8k", "--limit", str(args.k),
            "--policies", "full,zoomr", "--summaries", summaries, "-np", str(args.np), "-n", str(args.n_predict),
-           "-t", str(args.threads), "--no-live", "--out", str(out)] + (["-m", model] if model else []) + \
+           "-t", str(args.threads), "--dtype", args.dtype, "--no-live", "--out", str(out)] + (["-m", model] if model else []) + \
           (["--resume"] if args.resume else [])
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.monotonic()
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("-np", type=int, default=8, help="sequences decoded together (zoomr bench -np)")
     ap.add_argument("-n", "--n-predict", type=int, default=256)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="fp32", help="torch dtype of both models (fp16 matmuls are slow on a CPU)")
     ap.add_argument("--out", default="finetune_demo_out", help="folder for the two bench runs")
     ap.add_argument("--resume", action="store_true", help="continue the bench runs in --out")
     ap.add_argument("--report-only", action="store_true", help="only summarize the records already in --out")
@@ -169,9 +170,15 @@ def main() -> None:
         for name, (model, summaries) in runs.items():
             seconds[name] = run_bench(model, summaries, out / name, args)
     recs = {name: read_records(out / name) for name in runs}
+    # a stopped run: compare on the problems that have every cell in both runs (and within the first K)
+    from zoomr.evaluation.datasets import load_problems
+
+    first = {p.id for p in load_problems("gsm8k", args.k)[1]}
+    ids = set.intersection(first, *({r["problem_id"] for r in recs[n].get(p, [])} for n in runs for p in ("full", "zoomr")))
+    recs = {n: {p: [r for r in rs if r["problem_id"] in ids] for p, rs in by.items()} for n, by in recs.items()}
     report = {
-        "finetuned": str(ft_dir), "base": args.model or "embedded", "k": args.k, "n_predict": args.n_predict,
-        "np": args.np, "threads": args.threads, "load_avg": os.getloadavg(), "bench_seconds": seconds,
+        "finetuned": str(ft_dir), "base": args.model or "embedded", "k": args.k, "problems_compared": len(ids), "n_predict": args.n_predict,
+        "np": args.np, "threads": args.threads, "dtype": args.dtype, "load_avg": os.getloadavg(), "bench_seconds": seconds,
         "free_generation": {name: free_generation(recs[name].get("full", []), count) for name in runs},
         "accuracy_full_kv": {name: zoomr_cells(recs[name].get("full", []))["accuracy"] for name in runs},
         "zoomr": {"finetuned_summaries_model": zoomr_cells(recs["finetuned"].get("zoomr", [])),
