@@ -38,6 +38,8 @@ def finetune_command(
     rank: Annotated[int, typer.Option("--rank", help="LoRA rank.", min=1)] = _D.rank,
     alpha: Annotated[int, typer.Option("--alpha", help="LoRA alpha.", min=1)] = _D.alpha,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW; warmup, then cosine).")] = _D.lr,
+    token_lr: Annotated[float, typer.Option("--token-lr", help="Peak learning rate of the two delimiter "
+                                            "embedding rows (their own AdamW group).")] = _D.token_lr,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Steps between checkpoints.",
                                                   min=1)] = _D.checkpoint_every,
     summary_tokens: Annotated[int, typer.Option("--summary-tokens", help="Most tokens per generated summary.",
@@ -54,7 +56,7 @@ def finetune_command(
 ) -> int:
     """Teach a model to summarize each paragraph of its reasoning (ZoomR §3.2): augment traces with summaries,
     LoRA fine-tune, write a HF directory for `zoomr solve -m DIR --policy zoomr --summaries model`."""
-    train = TrainConfig(steps=steps, batch=batch, seq_len=seq_len, rank=rank, alpha=alpha, lr=lr,
+    train = TrainConfig(steps=steps, batch=batch, seq_len=seq_len, rank=rank, alpha=alpha, lr=lr, token_lr=token_lr,
                         checkpoint_every=checkpoint_every, seed=seed)
     cfg = FinetuneConfig(data=data, out=out, model=model, summarizer=summarizer, augmented=augmented, limit=limit,
                          summary_tokens=summary_tokens, paragraph_tokens=paragraph_tokens, train=train,

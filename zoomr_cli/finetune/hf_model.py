@@ -21,6 +21,12 @@ from zoomr.errors import UserError
 from zoomr.kvstore.segments import BEGIN, END
 
 DELIMITERS = (BEGIN, END)
+# Starting point of each new delimiter row: the mean of the embedding rows of a short text that means what
+# the token means, so that from step 0 the (tied) LM head scores the delimiter like that text's tokens at
+# the places the text would go, instead of the vocabulary mean, which no context predicts. Begin opens a
+# summary after a paragraph: "\n\nSummary:" (a paragraph break, then the usual label of a summary). End
+# closes it and hands back to the reasoning, which goes on with a new paragraph: "\n\n".
+DELIMITER_INIT_TEXTS = {BEGIN: "\n\nSummary:", END: "\n\n"}
 # texts the converted tokenizer must split exactly as llama.cpp does (digits, spaces, newlines, unicode)
 _CHECK_TEXTS = ("Natalia sold 48/2 = 24 clips in May.\n\nThe answer is \\boxed{72}.",
                 "  x^2+3x-10=0 → (x+5)(x−2)=0;\tπ≈3.14159 «ok» 日本 🙂")
@@ -77,12 +83,20 @@ def delimiter_ids(tok: HFTokenizer) -> list[int]:
     return [tok.control_tokens[d].id for d in DELIMITERS]
 
 
-def transformers_model(cfg: ModelConfig, tensors: dict, vocab: int):
+def delimiter_init(tok: HFTokenizer) -> dict[int, list[int]]:
+    """{delimiter id: ids of the existing tokens whose mean embedding row it starts from}
+    (:data:`DELIMITER_INIT_TEXTS` tokenized as plain text)."""
+    return {tok.control_tokens[d].id: tok.encode(text, special=False) for d, text in DELIMITER_INIT_TEXTS.items()}
+
+
+def transformers_model(cfg: ModelConfig, tensors: dict, vocab: int, init_rows: dict[int, list[int]] | None = None):
     """A transformers causal LM holding ``tensors``, its embedding (and untied LM head) resized to ``vocab``
-    rows; the new rows start at the mean of the old ones (transformers' ``mean_resizing``).
+    rows; the new rows start at the mean of the old ones (transformers' ``mean_resizing``), except the rows
+    in ``init_rows``, which start at the mean of the rows of the ids listed for them.
 
     Args:
-        cfg: zoomr's configuration; tensors: float32 numpy arrays under HF names; vocab: rows after resizing.
+        cfg: zoomr's configuration; tensors: float32 numpy arrays under HF names; vocab: rows after resizing;
+        init_rows: {new row id: existing token ids [n >= 1]} (see :func:`delimiter_init`).
     Returns:
         the model, float32, in train mode.
     Raises:
@@ -113,6 +127,11 @@ def transformers_model(cfg: ModelConfig, tensors: dict, vocab: int):
     if cfg.tied_embeddings:
         model.tie_weights()
     model.resize_token_embeddings(vocab, mean_resizing=True)
+    with torch.no_grad():
+        for row, ids in (init_rows or {}).items():
+            for w in {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                      if m is not None}.values():  # one matrix when tied
+                w[row] = w[torch.tensor(ids)].mean(0)
     return model
 
 

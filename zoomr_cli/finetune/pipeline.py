@@ -157,7 +157,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     """
     from .data import encode_example
     from .export import export_merged, model_card, plot_losses
-    from .hf_model import delimiter_ids, load_weights, transformers_model, write_tokenizer
+    from .hf_model import delimiter_ids, delimiter_init, load_weights, transformers_model, write_tokenizer
     from .train import Trainer, disk_full, peft_model
 
     cfg.train.validate()
@@ -193,7 +193,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     transformers.logging.set_verbosity_error()
     # peft asks transformers a deprecated question on every forward; the answer is right, the warning noise
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size), cfg.train, delimiter_ids(tok))
+    model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size, delimiter_init(tok)), cfg.train, delimiter_ids(tok))
     del tensors
     pad = tok.eos_ids and min(tok.eos_ids) or 0
     trainer = Trainer(model, examples, cfg.train, pad, cfg.out / "checkpoints", pick_device(cfg.device))
