@@ -38,7 +38,8 @@ from pathlib import Path
 
 from _report import write_json  # benchmarks/ is on sys.path when a script runs
 
-BEGIN, END = "<|begin_of_summary|>", "<|end_of_summary|>"
+from zoomr.evaluation.records import RecordLog
+from zoomr.kvstore.segments import BEGIN, END
 _MARKUP = re.compile(r"<\|[a-z_]+\|>")  # control tokens such as <|im_end|>, left in decoded text
 
 
@@ -120,7 +121,7 @@ def zoomr_cells(records: list[dict]) -> dict:
 
 def run_bench(model: str | None, summaries: str, out: Path, args) -> float:
     """``zoomr bench`` (this interpreter's zoomr) on the first K GSM8K problems; returns its wall seconds."""
-    cmd = [sys.executable, "-m", "zoomr_cli", "bench", "--dataset", "gsm8k", "--limit", str(args.k),
+    cmd = [sys.executable, "-m", "zoomr", "bench", "--dataset", "gsm8k", "--limit", str(args.k),
            "--policies", "full,zoomr", "--summaries", summaries, "-np", str(args.np), "-n", str(args.n_predict),
            "-t", str(args.threads), "--dtype", args.dtype, "--no-live", "--out", str(out)] + (["-m", model] if model else []) + \
           (["--resume"] if args.resume else [])
@@ -134,8 +135,7 @@ def read_records(out: Path) -> dict[str, list[dict]]:
     """{policy: records, in problem order} of a bench folder."""
     by: dict[str, list[dict]] = {}
     f = out / "records.jsonl"
-    for line in f.read_text().splitlines() if f.is_file() else []:
-        r = json.loads(line)
+    for r in RecordLog(f).records if f.is_file() else []:  # bench's own reader: checked lines, torn tail dropped
         by.setdefault(r["policy"], []).append(r)
     return by
 

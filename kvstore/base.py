@@ -156,23 +156,22 @@ class FullKVCache:
 
     def fork(self):
         """A cache holding the same positions; both sides share them, frozen, and append to their own buffers."""
+        return self._fork_as(FullKVCache)
+
+    def scoring_fork(self) -> "ScoringKVCache":
+        """A fork for one teacher-forced forward that keeps none of its new K/V (see :class:`ScoringKVCache`)."""
+        other = self._fork_as(ScoringKVCache)
+        other.spent = False
+        return other
+
+    def _fork_as(self, cls):
+        # after the freeze every position sits in the shared parts and the own buffers are empty (None)
         self._freeze()
-        other = FullKVCache.__new__(FullKVCache)
+        other = cls.__new__(cls)
         other.__dict__.update(self.__dict__)
         other.k, other.v = list(self.k), list(self.v)
         other.parts = [list(p) for p in self.parts]
         other.meter = self.meter.copy()
-        return other
-
-    def scoring_fork(self) -> "ScoringKVCache":
-        """A fork for one teacher-forced forward that keeps none of its new K/V (see :class:`ScoringKVCache`)."""
-        self._freeze()
-        other = ScoringKVCache.__new__(ScoringKVCache)
-        other.__dict__.update(self.__dict__)
-        other.k, other.v = [None] * self.shape[0], [None] * self.shape[0]
-        other.parts = [list(p) for p in self.parts]
-        other.meter = self.meter.copy()
-        other.spent = False
         return other
 
     def storages(self):

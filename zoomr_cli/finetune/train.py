@@ -319,9 +319,16 @@ def delimiter_logprob(model, examples: list[Example], token_ids: list[int], pad_
     """Mean log-probability (nats) the model gives each of ``token_ids`` at the positions where the examples'
     labels hold it (teacher forcing, eval mode, no gradient): {token id: mean log p}; ids never in a label
     are left out. The measure of whether the delimiters are learnt: free generation writes a summary only
-    once this is near 0 where a paragraph ends."""
+    once this is near 0 where a paragraph ends.
+
+    Args:
+        model: the (peft-wrapped) causal LM; examples: encoded examples, run 4 at a time ([4, T] ids,
+            T the longest of each group); token_ids: the ids to measure (the delimiters); pad_id: padding id;
+        device: where the model runs.
+    """
     import torch
 
+    was_training = model.training
     model.eval()
     sums = {t: [0.0, 0] for t in token_ids}
     with torch.no_grad():
@@ -334,4 +341,5 @@ def delimiter_logprob(model, examples: list[Example], token_ids: list[int], pad_
                 if where.any():
                     sums[t][0] += float(logp[..., t][where].sum())
                     sums[t][1] += int(where.sum())
+    model.train(was_training)  # a measurement: the model is left in the mode it came in
     return {t: s / n for t, (s, n) in sums.items() if n}
