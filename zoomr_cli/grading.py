@@ -239,16 +239,18 @@ def extract(text: str, *, truncated: bool = False) -> Extraction:
     """The final answer of a solution ``text``, where it came from, and its boxed values.
 
     Rules, in order: a box that never closes → no answer (``source="cut_off"``); else the last closed
-    ``\\boxed{}``/``\\fbox{}``; else the one expression after the last "the answer is" / "answer:"
-    (:func:`_answer_is`; ``truncated=True`` when the generation hit the length limit makes it stricter);
-    else None. Never raises on any string.
+    ``\\boxed{}``/``\\fbox{}`` that holds more than white space (an empty box, a prompt's template echoed,
+    states nothing); else the one expression after the last "the answer is" / "answer:" (:func:`_answer_is`;
+    ``truncated=True`` when the generation hit the length limit makes it stricter); else None. Never raises
+    on any string.
     """
     boxes = _boxes(text)
     closed = tuple(b for b in boxes if b is not None)
     if None in boxes:
         return Extraction(None, "cut_off", closed)
-    if closed:
-        return Extraction(closed[-1], "boxed", closed)
+    filled = [b for b in closed if b.strip()]  # an empty \boxed{} states no answer (a template echoed)
+    if filled:
+        return Extraction(filled[-1], "boxed", closed)
     fallback = _answer_is(text, truncated)
     return Extraction(fallback, "answer_is" if fallback is not None else "none", closed)
 

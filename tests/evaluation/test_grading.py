@@ -258,3 +258,16 @@ def test_extract_never_raises_and_counts_consistently(text):
     assert e.answer is None or isinstance(e.answer, str)
     assert 0 <= e.n_boxed_distinct <= len(e.boxed)
     assert (e.answer is None) or e.source in ("boxed", "answer_is")
+
+
+@pytest.mark.parametrize("text,answer,source", [(r"17*23 = 381. The answer is within \boxed{}.", None, "none"),
+                                                (r"\boxed{ }", None, "none"),
+                                                (r"\boxed{4} then \boxed{}", "4", "boxed"),
+                                                (r"The answer is 7. \boxed{}", "7", "answer_is")])
+def test_an_empty_box_states_no_answer(text, answer, source):
+    """A model that echoes the prompt's "\\boxed{}" has answered nothing: an earlier filled box or "the answer
+    is" counts, else there is no answer (not the empty string)."""
+    e = extract(text)
+    assert (e.answer, e.source) == (answer, source)
+    assert extract_answer(text) == answer
+

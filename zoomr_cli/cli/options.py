@@ -45,8 +45,9 @@ _OPTION_DECLS = {
                                 "whichever this machine runs faster, measured once), fp32, bf16, fp16.",
                                 rich_help_panel=PANEL_MODEL)),
     "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept as int4, "
-                                "exact; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), fp16 "
-                                "(fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact forms).",
+                                "exact; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), "
+                                "fp16 (fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact "
+                                "forms; refuses a half --dtype).",
                                 rich_help_panel=PANEL_MODEL)),
     "kv_dtype": (str, typer.Option("--kv-dtype", help="torch KV cache and attention dtype: auto (fp32 on a CPU, "
                                    "where half-precision attention runs slower; the compute dtype on CUDA), fp32, "
