@@ -202,26 +202,49 @@ def keep_top(scores: torch.Tensor, candidates: torch.Tensor, k: int, always: tor
 
 
 class QueryWindow:
-    """The last ``size`` queries of each layer and their positions (SnapKV, R-KV observation window)."""
+    """The last ``size`` queries of each layer and their positions (SnapKV, R-KV observation window).
+
+    :meth:`push` only records the new queries (a reference per forward, no tensor op): R-KV and SnapKV
+    read the window once per compression, every ``buffer`` tokens, so the concatenation is made then
+    (:meth:`window`), not at each of the 30 × B per-layer calls of a decode step.
+    """
 
     def __init__(self, size: int):
         self.size = size
-        self.q: dict[int, torch.Tensor] = {}     # layer → [H, ≤size, d] float32
-        self.pos: dict[int, torch.Tensor] = {}   # layer → [≤size] int64
+        self._chunks: dict[int, list[tuple[torch.Tensor, int]]] = {}   # layer → [(q [H, t, d], first position)]
+        self._held: dict[int, int] = {}                                 # layer → Σ t over its chunks
 
-    def push(self, view: LayerView) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``view``'s queries; return the window ([H, W, d], [W]) now held for its layer."""
-        T = view.n_new
-        new_pos = torch.arange(view.start, view.start + T, device=view.q.device)
-        q = view.q.float()
-        if view.layer in self.q:
-            q = torch.cat([self.q[view.layer], q], dim=1)
-            new_pos = torch.cat([self.pos[view.layer], new_pos])
-        self.q[view.layer], self.pos[view.layer] = q[:, -self.size:], new_pos[-self.size:]
-        return self.q[view.layer], self.pos[view.layer]
+    def push(self, view: LayerView) -> int:
+        """Record ``view``'s queries; return how many the window holds for its layer now (≤ ``size``)."""
+        q, start = view.q, view.start
+        if q.shape[1] > self.size:  # a prefill: only its last queries can be in the window
+            start += q.shape[1] - self.size
+            q = q[:, -self.size:]
+        if q.shape[1] > 1:  # a view into a prefill's [H, T, d] queries would keep all T alive
+            q = q.clone()
+        chunks = self._chunks.setdefault(view.layer, [])
+        chunks.append((q, start))
+        held = self._held.get(view.layer, 0) + q.shape[1]
+        while held - chunks[0][0].shape[1] >= self.size:   # the oldest chunk fell out of the window
+            held -= chunks.pop(0)[0].shape[1]
+        self._held[view.layer] = held
+        return min(held, self.size)
+
+    def window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window of ``layer``: queries [H, W, d] float32 and their positions [W] int64, oldest first.
+
+        Raises:
+            KeyError: nothing was pushed for ``layer``.
+        """
+        chunks = self._chunks[layer]
+        q = torch.cat([c for c, _ in chunks], dim=1)[:, -self.size:].float()
+        device = q.device
+        pos = torch.cat([torch.arange(p, p + c.shape[1], device=device) for c, p in chunks])[-self.size:]
+        return q, pos
 
     def copy(self) -> "QueryWindow":
-        """An independent window sharing the held tensors (:meth:`push` replaces them, never writes them)."""
+        """An independent window sharing the recorded tensors (never written): O(layers × chunks)."""
         other = QueryWindow(self.size)
-        other.q, other.pos = dict(self.q), dict(self.pos)
+        other._chunks = {layer: list(c) for layer, c in self._chunks.items()}
+        other._held = dict(self._held)
         return other

@@ -220,3 +220,10 @@ def test_bad_model_flags_are_refused_before_the_model_loads(flags):
     r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", *flags)
     assert_one_line_error(r)
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no "loading model…" before the error
+
+
+def test_bench_help_offers_only_the_backend_it_runs():
+    # bench refuses --backend llamacpp, so its help must not offer it; solve's still does
+    bench_row = re.search(r"--backend\s.*", _help("bench")).group(0)
+    assert "torch only" in bench_row and "llamacpp" not in bench_row
+    assert "llamacpp" in re.search(r"--backend\s.*", _help("solve")).group(0)

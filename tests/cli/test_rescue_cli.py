@@ -58,6 +58,10 @@ def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
               "--max-steps", "3", "--step-tokens", str(step_tokens), "--nb", "2", "--nh", "1",
               "--no-live", "--json", str(out))
     assert r.returncode == 0, r.stderr
+    # the default helper is the base's own model: torch shares its weights, llama.cpp loads a second context
+    said = r.stdout + r.stderr
+    assert ("no second load" in said) == (backend == "torch")
+    assert ("loading helper model" in said) == (backend != "torch")
     rec = json.loads(r.stdout if out == "-" else out.read_text())
     shown = r.stderr if out == "-" else r.stdout
     assert rec["settings"]["base_policy"] == policy and f"KV policy {policy}" in rec["base"]

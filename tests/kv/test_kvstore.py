@@ -114,3 +114,33 @@ def test_zoomr_in_the_decoder_equals_full_until_it_first_evicts(torch_backend, r
     st = torch_backend.kv_stats(seq)
     assert st.active_tokens < st.full_tokens and st.extra["recomputes"] == len(events)
     assert st.extra["summaries_mode"] == "paragraphs" and st.extra["segments"] >= 3
+
+
+def test_query_window_holds_the_newest_queries_across_prefill_and_decode_and_forks():
+    from zoomr.kvstore.policy import LayerView, QueryWindow
+
+    torch.manual_seed(0)
+    allq = torch.randn(4, 30, 8)   # [H, T, d]: a 20-token prefill, then 10 decode tokens
+    w = QueryWindow(6)
+
+    def push(win, a, b):
+        view = LayerView(0, allq[:, a:b], torch.empty(0), torch.empty(0), b - a, a)
+        return win.push(view)
+
+    assert push(w, 0, 20) == 6
+    q, pos = w.window(0)
+    assert torch.equal(q, allq[:, 14:20]) and pos.tolist() == list(range(14, 20))
+    # what it holds of the prefill is its own copy of 6 queries, not a view keeping all 30 alive
+    assert all(c.untyped_storage().nbytes() == c.numel() * c.element_size() for c, _ in w._chunks[0])
+    fork = w.copy()
+    for t in range(20, 27):
+        assert push(w, t, t + 1) == 6
+    q, pos = w.window(0)
+    assert torch.equal(q, allq[:, 21:27]) and pos.tolist() == list(range(21, 27))
+    # the fork saw none of those tokens; its own next token goes after the prefill
+    push(fork, 20, 21)
+    q, pos = fork.window(0)
+    assert torch.equal(q, allq[:, 15:21]) and pos.tolist() == list(range(15, 21))
+    # a short start: fewer than size queries held
+    short = QueryWindow(6)
+    assert push(short, 0, 2) == 2 and short.window(0)[1].tolist() == [0, 1]

@@ -491,4 +491,6 @@ def _finish(out: Path, config: dict, log: RecordLog, ui: Output) -> None:
 
 
 bench_command = model_options(exclude=("budget", "policy"), n_predict=256,
-                              shown={"temp": "0, greedy; 0.8 in --rescue cells"})(rescue_options(bench))
+                              shown={"temp": "0, greedy; 0.8 in --rescue cells"},
+                              helps={"backend": "torch only: the KV policies run on our decoder (llama.cpp's "
+                                                "speed: benchmarks/backend_speed.py)."})(rescue_options(bench))

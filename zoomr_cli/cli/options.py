@@ -78,7 +78,8 @@ def knob_options() -> dict:
     return {name: knob_option(k) for name, k in knob_flags().items()}
 
 
-def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = None, **defaults):
+def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = None,
+                  helps: dict[str, str] | None = None, **defaults):
     """Decorator: add the shared options to a Typer command; the command receives ``opts: RunOptions``.
 
     The policy knobs are generated from the policy registry (:func:`knob_options`); ``opts.knobs`` holds
@@ -89,16 +90,19 @@ def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = 
             they keep RunOptions' defaults in ``opts`` (an excluded knob is not given).
         shown: what ``--help`` gives as the default of options the command resolves itself when they are
             not given (``--temp``: None in RunOptions, the command's own temperature), by option name.
+        helps: the command's own ``--help`` text of shared options whose meaning it narrows, by option name
+            (bench's ``--backend``: torch only).
         defaults: overrides of RunOptions' defaults for this command (for example ``n_predict=1024``).
     """
     base = {f.name: f.default for f in fields(RunOptions) if f.name != "knobs"}
     base.update(defaults)
     decls = {k: v for k, v in _OPTION_DECLS.items() if k not in exclude}
-    for name, text in (shown or {}).items():
-        typ, opt = decls[name]
-        opt = copy.copy(opt)  # the declaration is shared by every command
-        opt.show_default = text
-        decls[name] = (typ, opt)
+    for attr, texts in (("show_default", shown), ("help", helps)):
+        for name, text in (texts or {}).items():
+            typ, opt = decls[name]
+            opt = copy.copy(opt)  # the declaration is shared by every command
+            setattr(opt, attr, text)
+            decls[name] = (typ, opt)
     knobs = {k: v for k, v in knob_options().items() if k not in exclude}
     clash = sorted(set(knobs) & set(base))
     if clash:

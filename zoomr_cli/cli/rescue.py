@@ -18,7 +18,7 @@ from zoomr.solving import fit_prompt
 from zoomr.options import RunOptions
 from zoomr.cli.inputs import write_json
 from zoomr.cli.render import Output, mib
-from zoomr.rescue.runner import build_helper, rescue_once
+from zoomr.rescue.runner import build_helper, helper_is_base, rescue_once
 from zoomr.rescue.plan import RescueOptions, for_flag, plan_rescue
 from zoomr.cli.rescue_view import LiveView, PlainView
 from zoomr.rescue.scorers import build_scorer
@@ -96,8 +96,12 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     base_ids = fit_prompt(base.tokenizer, problem, base_system, max_context)
     with out.status("loading scorer…"):
         scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
-    with out.status("loading helper model…"):
-        helper = for_flag("--helper", build_helper, base, plan.helper_opts)
+    if helper_is_base(base, plan.helper_opts):
+        out.info("helper: the base model's own weights with full KV (no second load)")
+        helper = build_helper(base, plan.helper_opts)
+    else:
+        with out.status("loading helper model…"):
+            helper = for_flag("--helper", build_helper, base, plan.helper_opts)
     helper_ids = fit_prompt(helper.tokenizer, problem, system, max_context)
 
     view = LiveView(out.out) if out.live else PlainView(out)

@@ -26,10 +26,16 @@ from .transcript import Transcript
 PAPER_SAMPLING = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=0)
 
 
+def helper_is_base(base, helper_opts: RunOptions) -> bool:
+    """True when the helper is the base's own model on torch: :func:`build_helper` then loads nothing."""
+    return helper_opts.backend == "torch" and getattr(base, "name", None) == "torch" and \
+        resolve_model(helper_opts.model) == base.source
+
+
 def build_helper(base, helper_opts: RunOptions):
     """The helper's backend (full KV). On torch, a helper that is the base's own model shares its weights
     (one copy in memory, no second load): only the KV cache factory differs."""
-    if helper_opts.backend == "torch" and resolve_model(helper_opts.model) == base.source:
+    if helper_is_base(base, helper_opts):
         return base.with_cache_factory(None)
     return build_backend(helper_opts)
 
