@@ -25,7 +25,8 @@ def small_files() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
 
 
-def test_ctrl_c_checkpoints_then_a_full_disk_keeps_it(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_checkpoints_then_a_full_disk_keeps_it(tmp_path, stop):
     from safetensors.torch import load_file
 
     from zoomr.finetune.train import latest_checkpoint
@@ -36,11 +37,14 @@ def test_ctrl_c_checkpoints_then_a_full_disk_keeps_it(tmp_path):
                                             "--checkpoint-every", "1000"] + ARGS,
                              stdout=subprocess.DEVNULL, stderr=f, cwd=ROOT, env=ENV, preexec_fn=sigint_default)
         wait_for(lambda: "step 2/1000" in err.read_text(), p, 300, "two training steps")
-        p.send_signal(signal.SIGINT)
+        p.send_signal(stop)
         assert p.wait(timeout=120) == 130, err.read_text()
     ck = latest_checkpoint(out / "checkpoints")
     assert ck is not None and json.loads((ck / "state.json").read_text())["step"] >= 2
     done = json.loads((ck / "state.json").read_text())["step"]
+    if stop == signal.SIGTERM:  # the full-disk half below is the same whichever signal stopped the run
+        assert "interrupted" in err.read_text() and "Traceback" not in err.read_text()
+        return
 
     r = subprocess.run(zoomr_cmd() + ["finetune", str(data), "--out", str(out), "--steps", str(done + 1),
                                       "--resume"] + ARGS, capture_output=True, text=True, cwd=ROOT, env=ENV,
