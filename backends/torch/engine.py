@@ -206,8 +206,11 @@ class TorchBackend:
     def describe_model(self) -> str:
         """:meth:`describe` without the policy, for a caller that runs several policies on these weights."""
         kv = "" if self.kv_dtype == self.dtype else f" · KV {str(self.kv_dtype).replace('torch.', '')}"
+        # llama.cpp warns the same way: nothing breaks at once, but RoPE past its trained range extrapolates
+        over = (f" · -c {self.n_ctx} is past the trained context of {self.cfg.max_ctx} positions (extrapolated)"
+                if self.n_ctx > self.cfg.max_ctx else "")
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}{kv}"
-                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers")
+                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers{over}")
 
     def new_sequence(self) -> TorchSequence:
         """An empty sequence with a fresh cache from the cache factory."""

@@ -227,3 +227,11 @@ def test_bench_help_offers_only_the_backend_it_runs():
     bench_row = re.search(r"--backend\s.*", _help("bench")).group(0)
     assert "torch only" in bench_row and "llamacpp" not in bench_row
     assert "llamacpp" in re.search(r"--backend\s.*", _help("solve")).group(0)
+
+
+def test_a_context_past_the_trained_one_is_named_on_the_model_line():
+    r = zoomr("solve", "-p", "What is 2+2?", "-n", "1", "-c", "20000", "--no-live")
+    assert r.returncode == 0, r.stderr
+    assert "-c 20000 is past the trained context of 8192 positions" in r.stdout + r.stderr
+    r = zoomr("solve", "-p", "What is 2+2?", "-n", "1", "-c", "8192", "--no-live")
+    assert r.returncode == 0 and "past the trained context" not in r.stdout + r.stderr
