@@ -85,10 +85,10 @@ class RKVPolicy(KVPolicy):
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Remember the queries; compress to B once B + buffer positions are attended."""
         q, _ = self.queries.push(view)
-        pos, keys = view.positions, view.keys
-        N, w = pos.shape[1], self.window
+        N, w = view.n_attended, self.window
         if N < self.budget + self.slack or q.shape[1] < w:
             return None
+        pos, keys = view.positions, view.keys   # whole (a fork: concatenated) only to compress
         logits = torch.einsum("hgtd,hnd->hgtn", grouped(q, self.ctx.n_kv_heads), keys[:, :N - w].float())
         logits = logits.amax(dim=1) / keys.shape[-1] ** 0.5                  # [Hkv, W, N − w]
         importance = logits.softmax(dim=-1).mean(dim=1)
