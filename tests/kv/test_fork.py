@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from zoomr.kvstore.active_set import FORK_CAPACITY, MAX_PARTS, ResidentActiveSet
+from zoomr.kvstore.active_set import FORK_CAPACITY, ResidentActiveSet
 from zoomr.kvstore.base import FullKVCache
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.full import FullPolicy
