@@ -7,15 +7,19 @@ Two shapes of it:
   are appended in place, and a new selection moves host → device only the (head, position) pairs
   that are not resident yet; resident ones are gathered on the device. On CUDA, layer l+1's new
   selection is applied on a side stream (pinned staging, non-blocking copies, an event) while layer l
-  computes (the class docstring has the timeline). A fork shares the buffers copy-on-write.
+  computes (the class docstring has the timeline). A fork freezes what is resident into read-only
+  *parts* both sides read in place; each side appends to small buffers of its own.
 * :class:`StreamedActiveSet`: nothing stays on the device; every step each layer's full KV is copied
   host → device just before it is attended (layer l+1 prefetched during layer l) and dropped after.
   This is the "offloaded full KV" baseline the paper measures ZoomR against (§4, Fig. 3a).
 
-Both answer ``attend(layer, k_new, v_new, pos_new) -> (K, V, positions)`` with the new tokens last.
+Both answer ``attend_parts(layer, k_new, v_new, pos_new) -> [(K_i, V_i, positions_i)]`` in position
+order, the new tokens last (``attend``: the same as one contiguous triple).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,22 +27,32 @@ import torch
 from .host_store import HostKVStore
 
 
-GROW_MIN = 64  # positions: the least room a layer's buffers gain when they grow or a fork copies them
+GROW_MIN = 64  # positions: the least room a layer's own buffers gain when they grow or take a selection
+MAX_PARTS = 4        # frozen parts per layer before a fork merges them into one (as FullKVCache.MAX_PARTS)
+# positions: the least room gained instead of GROW_MIN once a set forked (its first own buffers after the
+# fork hold this many): a candidate of a few dozen tokens must not reserve an active set's worth
+FORK_CAPACITY = 16
 
 
-class _Claim:
-    """Who wrote past the used part of one layer's buffers; one object shared by every fork holding them.
+class _Part(NamedTuple):
+    """One frozen, read-only run of resident pairs of a layer, shared by every fork that holds it.
 
-    Buffers are append-only between selections, so a fork may share its parent's: each side reads only
-    its own first ``n`` positions. The first side to append at ``end`` writes in place and moves
-    ``end``; a side whose ``n`` is no longer ``end`` (the other one wrote there) copies its part into
-    fresh buffers first (copy-on-write). ``shared`` (sticky) forbids rewriting the buffers in place.
+    k, v: [Hkv, n, d] device views; pos_host: [Hkv, n] int64 CPU; pos_dev: the same on the device (the
+    same tensor as ``pos_host`` off CUDA).
     """
 
-    __slots__ = ("end", "shared")
+    k: torch.Tensor
+    v: torch.Tensor
+    pos_host: torch.Tensor
+    pos_dev: torch.Tensor
 
-    def __init__(self, end: int):
-        self.end, self.shared = end, False
+
+def _merge(parts: list[_Part], cuda: bool) -> _Part:
+    """One part holding ``parts`` concatenated in order (O(their positions), fresh storage)."""
+    k = torch.cat([p.k for p in parts], dim=1)
+    v = torch.cat([p.v for p in parts], dim=1)
+    pos = torch.cat([p.pos_host for p in parts], dim=1)
+    return _Part(k, v, pos, torch.cat([p.pos_dev for p in parts], dim=1) if cuda else pos)
 
 
 class ResidentActiveSet:
@@ -47,13 +61,28 @@ class ResidentActiveSet:
     Args:
         store: the host store the selections are read from.
         device, dtype: compute device and dtype.
-        inplace: apply a new selection inside the current buffers when they are not shared with a fork
+        inplace: apply a new selection inside the own buffers when the layer holds no frozen parts
             and it fits, copying only the pairs that moved or came from the host (peak extra memory:
             the moved pairs, instead of a second buffer the size of the selection). Default: on CUDA
             only; the CPU default keeps fresh buffers per selection.
 
+    Storage per layer: zero or more frozen :class:`_Part` s (read-only, shared with the sets this one
+    forked from or into), then the set's own buffers ``k``, ``v``, ``pos_host``, ``pos_dev`` ([Hkv, cap, ...],
+    None until written) of which the first ``n`` positions are used. What attention reads is the parts and
+    the own used positions, in that order (rows sorted by position: appends are newer than what they follow).
+    A fork freezes the own used positions into one more part for both sides (no K/V copied; past
+    ``MAX_PARTS`` parts they are merged into one, O(active) once per ``MAX_PARTS`` fork generations) and
+    each side's appends go to own buffers starting at ``FORK_CAPACITY`` positions, so a family of forks
+    that all decode holds the committed active set once (as :class:`zoomr.kvstore.base.FullKVCache`).
+    A new selection gathers its pairs from parts and own buffers into fresh own buffers and drops the
+    parts (they stay valid for the other forks). Own buffers grow by a quarter, at least ``room``
+    positions: ``GROW_MIN``, or ``FORK_CAPACITY`` once the set forked (a candidate decoding a few dozen
+    tokens, compressed or not, then reserves about what it writes).
+
     Attributes:
         moved_pairs: (KV head, position) pairs copied host → device by selections so far.
+        parts: per layer, the frozen :class:`_Part` s in position order.
+        n: per layer, own positions used (after the parts).
 
     CUDA timeline (untested on a GPU so far): a selection computed on the device (H2O, SnapKV, R-KV)
     stays there; :meth:`schedule` queues its copy into pinned host memory on the compute stream with an
@@ -81,7 +110,9 @@ class ResidentActiveSet:
         self.n = [0] * L
         self.pending: list[torch.Tensor | None] = [None] * L    # next selection [Hkv, M], CPU
         self.moved_pairs = 0
-        self._claim: list[_Claim | None] = [None] * L
+        self.parts: list[list[_Part]] = [[] for _ in range(L)]
+        self.room = GROW_MIN   # least positions own buffers gain (FORK_CAPACITY once forked)
+        self._bytes: int | None = None   # device_bytes, recounted only after a buffer changed
         self._sel_dev: list[torch.Tensor | None] = [None] * L   # CUDA: the pending selection, on the device
         self._sel_ev: list[torch.cuda.Event | None] = [None] * L  # CUDA: its copy into ``pending`` is done
         self._ready: list[torch.cuda.Event | None] = [None] * L
@@ -117,7 +148,8 @@ class ResidentActiveSet:
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            for t in (self.k[layer], self.v[layer], self.pos_dev[layer], self._sel_dev[layer]):
+            for t in (self.k[layer], self.v[layer], self.pos_dev[layer], self._sel_dev[layer],
+                      *(t for part in self.parts[layer] for t in (part.k, part.v, part.pos_dev))):
                 if t is not None:
                     t.record_stream(self._stream)   # the old buffers (and the selection) are read here
             self._apply(layer)
@@ -147,18 +179,20 @@ class ResidentActiveSet:
     def _apply(self, layer: int) -> None:
         # Book-keeping (which selected pairs are resident, and where) runs in numpy on the host: these
         # are tiny per-row searches that torch would parallelize at a loss. Data moves as one flat
-        # index_select on the device plus one from the host store for the pairs not resident.
+        # index_select on the device plus one from the host store for the pairs not resident (with frozen
+        # parts: one gather from each part and the own buffers, into fresh buffers).
         if self._sel_ev[layer] is not None:
             self._sel_ev[layer].synchronize()   # the selection's copy to the host, queued a forward ago
         sel = self.pending[layer].numpy()
         h, M = sel.shape
+        parts = self.parts[layer]
         n = self.n[layer]
-        claim = self._claim[layer]
-        inplace = (self.inplace and n > 0 and claim is not None and not claim.shared
-                   and M <= self.k[layer].shape[1])
-        if n:
-            old = self.pos_host[layer][:, :n].numpy()
-            slot = np.stack([np.searchsorted(old[r], sel[r]) for r in range(h)]).clip(max=n - 1)
+        total = n + sum(p.k.shape[1] for p in parts)
+        # own buffers are never shared (a fork freezes them into a part), so they may be rewritten in place
+        inplace = self.inplace and n > 0 and not parts and M <= self.k[layer].shape[1]
+        if total:
+            old = self._positions(layer).numpy()
+            slot = np.stack([np.searchsorted(old[r], sel[r]) for r in range(h)]).clip(max=total - 1)
             hit = np.take_along_axis(old, slot, 1) == sel
         else:
             hit = np.zeros(sel.shape, dtype=bool)
@@ -171,10 +205,12 @@ class ResidentActiveSet:
                     flat = t.view(-1, self.d)
                     flat.index_copy_(0, dst, flat.index_select(0, src))   # the gather is complete first
         else:
-            cap = M + max(GROW_MIN, M // 4)
+            cap = M + max(self.room, M // 4)
             k = torch.empty(h, cap, self.d, device=self.device, dtype=self.dtype)
             v = torch.empty_like(k)
-            if n:
+            if parts:
+                self._gather_parts(layer, slot, hit, k, v)
+            elif n:
                 old_cap = self.k[layer].shape[1]
                 flat = self._index(slot + np.arange(h)[:, None] * old_cap)
                 k[:, :M] = self.k[layer].view(-1, self.d).index_select(0, flat).view(h, M, self.d)
@@ -199,10 +235,34 @@ class ResidentActiveSet:
                 dev[:, :M].copy_(self.pending[layer].contiguous().pin_memory(), non_blocking=True)
         self.k[layer], self.v[layer], self.n[layer] = k, v, M
         self.pos_host[layer], self.pos_dev[layer] = pos, dev
-        if inplace:
-            claim.end = M
-        else:
-            self._claim[layer] = _Claim(M)
+        self.parts[layer] = []   # everything selected is in the own buffers now
+        self._bytes = None
+
+    def _gather_parts(self, layer: int, slot: np.ndarray, hit: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy the resident selected pairs into ``k``/``v`` [Hkv, cap, d] from the frozen parts and the own
+        used positions: ``slot`` [Hkv, M] indexes their concatenation, ``hit`` [Hkv, M] marks resident pairs."""
+        start = 0
+        sources = [(p.k, p.v) for p in self.parts[layer]]
+        if self.n[layer]:
+            sources.append((self.k[layer][:, :self.n[layer]], self.v[layer][:, :self.n[layer]]))
+        for sk, sv in sources:
+            m = sk.shape[1]
+            hh, cc = np.nonzero(hit & (slot >= start) & (slot < start + m))
+            if hh.size:
+                heads, src, dst = self._index(hh), self._index(slot[hh, cc] - start), self._index(cc)
+                k[heads, dst] = sk[heads, src]
+                v[heads, dst] = sv[heads, src]
+            start += m
+
+    def _positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, N] positions resident in ``layer`` (CPU): the parts' then the own used ones (a view
+        when there is a single source, else a fresh concatenation)."""
+        pos = [p.pos_host for p in self.parts[layer]]
+        if self.n[layer]:
+            pos.append(self.pos_host[layer][:, :self.n[layer]])
+        if not pos:
+            return torch.empty(self.h, 0, dtype=torch.long)
+        return pos[0] if len(pos) == 1 else torch.cat(pos, dim=1)
 
     def _stage(self, layer: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Pinned host buffers for ``m`` gathered rows (CUDA), so the H2D copy is truly asynchronous."""
@@ -218,22 +278,23 @@ class ResidentActiveSet:
         return st[0][:m], st[1][:m]
 
     # -- attention -------------------------------------------------------------------------------
-    def attend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attend_parts(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Apply ``layer``'s pending selection, append the T new tokens, return what attention reads.
 
         Args:
             k_new, v_new: [Hkv, T, d] on the device.
             pos_new: [T] int64 positions of the new tokens (CPU).
         Returns:
-            (K, V, positions): [Hkv, N, d], [Hkv, N, d], [Hkv, N] int64 on the device; the last T
-            entries are the new tokens. Views of buffers a fork may share: read them, never write.
+            [(K_i, V_i, positions_i)]: [Hkv, n_i, d], [Hkv, n_i, d], [Hkv, n_i] int64 on the device, in
+            position order: the frozen parts, then the own positions with the T new tokens last. Views of
+            buffers forks may share: read them, never write.
         """
         self._ensure(layer)
         T = k_new.shape[1]
         n = self.n[layer]
-        if self.k[layer] is None or n + T > self.k[layer].shape[1] or self._claim[layer].end != n:
-            self._grow(layer, n + T)        # full, or a fork wrote past n into the shared buffers
+        if self.k[layer] is None or n + T > self.k[layer].shape[1]:
+            self._grow(layer, n + T)
         self.k[layer][:, n:n + T] = k_new
         self.v[layer][:, n:n + T] = v_new
         self.pos_host[layer][:, n:n + T] = pos_new
@@ -244,17 +305,24 @@ class ResidentActiveSet:
             else:
                 self.pos_dev[layer][:, n:n + T] = pos_new.pin_memory().to(self.device, non_blocking=True)
         self.n[layer] = n + T
-        self._claim[layer].end = n + T
         self.prefetch(layer + 1)
         m = n + T
-        return self.k[layer][:, :m], self.v[layer][:, :m], self.pos_dev[layer][:, :m]
+        own = (self.k[layer][:, :m], self.v[layer][:, :m], self.pos_dev[layer][:, :m])
+        return [*((p.k, p.v, p.pos_dev) for p in self.parts[layer]), own]
+
+    def attend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`attend_parts` as one (K, V, positions) triple, [Hkv, N, d] / [Hkv, N]: views of the own
+        buffers when there are no frozen parts, else a fresh concatenation (O(N) per call)."""
+        parts = self.attend_parts(layer, k_new, v_new, pos_new)
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(ts, dim=1) for ts in zip(*parts))
 
     def _grow(self, layer: int, need: int) -> None:
         cap = 0 if self.k[layer] is None else self.k[layer].shape[1]
-        if need <= cap:  # a fork leaving buffers it shares: its used part and some room, not the whole capacity
-            new_cap = min(cap, need + GROW_MIN)
-        else:  # geometric (a quarter more): amortized O(1) copies per token, at most 25 % of it unused
-            new_cap = max(need, cap + max(GROW_MIN, cap // 4))
+        # geometric (a quarter more): amortized O(1) copies per token, at most 25 % (or ``room``) unused
+        new_cap = max(need, cap + max(self.room, cap // 4))
         n = self.n[layer]
         k = torch.empty(self.h, new_cap, self.d, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)
@@ -269,41 +337,62 @@ class ResidentActiveSet:
             self.pos_dev[layer] = dev
         else:
             self.pos_dev[layer] = pos
-        self._claim[layer] = _Claim(n)
+        self._bytes = None
 
     # -- accounting ------------------------------------------------------------------------------
     def positions(self, layer: int) -> torch.Tensor:
-        """[Hkv, N] positions resident in ``layer`` now (CPU copy): those attended at its last forward,
-        or the pending selection once it has been applied (fork applies it)."""
-        return self.pos_host[layer][:, :self.n[layer]].clone() if self.pos_host[layer] is not None \
-            else torch.empty(self.h, 0, dtype=torch.long)
+        """[Hkv, N] positions resident in ``layer`` now (CPU copy, parts then own): those attended at its
+        last forward, or the pending selection once it has been applied (fork applies it)."""
+        return self._positions(layer).clone()
 
     def device_bytes(self) -> int:
-        """Bytes of the device K/V buffers this set holds now (capacity, not just the used part;
-        buffers shared with a fork count in both)."""
-        return sum(2 * t.numel() * t.element_size() for t in self.k if t is not None)
+        """Bytes of the device K/V storages this set reads now (capacity, not just the used part): its own
+        buffers and its frozen parts' storages, each storage once (shared with a fork: counted in both)."""
+        if self._bytes is None:
+            seen = {}
+            for t in self.buffers():
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            self._bytes = sum(seen.values())
+        return self._bytes
 
     def buffers(self):
-        """The device K and V buffers held now (possibly shared with forks)."""
-        yield from (t for t in (*self.k, *self.v) if t is not None)
+        """The device K and V tensors held now: own buffers and frozen parts (views of storages possibly
+        shared with forks; :func:`zoomr.kvstore.stats.distinct_kv_bytes` counts each storage once)."""
+        for layer in range(len(self.k)):
+            for p in self.parts[layer]:
+                yield p.k
+                yield p.v
+            for t in (self.k[layer], self.v[layer]):
+                if t is not None:
+                    yield t
+
+    def _freeze(self, layer: int) -> None:
+        """Turn ``layer``'s own used positions into one more frozen part (all parts merged past MAX_PARTS)."""
+        n = self.n[layer]
+        parts = self.parts[layer]
+        if n:
+            parts.append(_Part(self.k[layer][:, :n], self.v[layer][:, :n], self.pos_host[layer][:, :n],
+                               self.pos_dev[layer][:, :n]))
+        if len(parts) > MAX_PARTS:
+            parts[:] = [_merge(parts, self.cuda)]
+        self.k[layer] = self.v[layer] = self.pos_host[layer] = self.pos_dev[layer] = None
+        self.n[layer] = 0
+        self._bytes = None
 
     def fork(self, store: HostKVStore) -> "ResidentActiveSet":
-        """A set over ``store`` (the fork of this one's store) sharing this one's device buffers.
+        """A set over ``store`` (the fork of this one's store) reading this one's resident pairs in place.
 
-        Pending selections are applied here first (once, for both). Cost: O(L); no K/V is copied
-        until one side appends after the other did (then that side copies its N positions of that
-        layer: O(active), see :class:`_Claim`) or applies a new selection (fresh buffers, as always).
+        Pending selections are applied here first (once, for both). Each layer's own used positions are
+        frozen into a shared part (:meth:`_freeze`); both sides append to own buffers from then on.
+        Cost: O(L), no K/V copied (but every ``MAX_PARTS`` fork generations, a merge: O(active)).
         """
         other = ResidentActiveSet(store, self.device, self.dtype, self.inplace)
         for li in range(len(self.k)):
             self._ensure(li)
-            if self.k[li] is None:
-                continue
-            other.k[li], other.v[li] = self.k[li], self.v[li]
-            other.pos_host[li], other.pos_dev[li] = self.pos_host[li], self.pos_dev[li]
-            other.n[li] = self.n[li]
-            self._claim[li].shared = True
-            other._claim[li] = self._claim[li]
+            self._freeze(li)
+            other.parts[li] = list(self.parts[li])
+        self.room = other.room = FORK_CAPACITY
         other.moved_pairs = self.moved_pairs
         other._stream = self._stream
         return other
@@ -390,6 +479,10 @@ class StreamedActiveSet:
         V = torch.cat([v[:, :old], v_new], dim=1)
         self.prefetch(layer + 1)
         return K, V, pos
+
+    def attend_parts(self, layer, k_new, v_new, pos_new):
+        """:meth:`attend` as a single part (see :meth:`ResidentActiveSet.attend_parts`)."""
+        return [self.attend(layer, k_new, v_new, pos_new)]
 
     def positions(self, layer: int) -> torch.Tensor:
         """[Hkv, N] positions attended at ``layer``'s last forward (all of them)."""

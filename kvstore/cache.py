@@ -79,20 +79,39 @@ class PolicyKVCache:
         if self.events is not None:
             self.events.emit(event)
 
-    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """See :meth:`zoomr.kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last."""
+    def update_parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Store the T new tokens of ``layer``; return the active set's K/V as parts in position order.
+
+        Args:
+            q: [H, T, d] post-RoPE queries; k, v: [Hkv, T, d] (see :meth:`zoomr.kvstore.base.KVCache.update`).
+        Returns:
+            [(K_i, V_i)], each [Hkv, n_i, d] on the device: the frozen parts a fork shares, then this
+            cache's own positions with the T new tokens last (a single part when nothing is shared). Read
+            them in place (:func:`zoomr.backends.torch.model.attend_parts`), never write them.
+        """
         T = k.shape[1]
         if layer == 0 or self._pos_new.shape[0] != T:
             self._pos_new = torch.arange(self.n_tokens, self.n_tokens + T)
         pos_new = self._pos_new
         self.store.append(layer, k, v)
-        K, V, pos = self.active.attend(layer, k, v, pos_new)
-        self._attended[layer] = K.shape[1]
-        selection = self.policy.observe(LayerView(layer, q, K, pos, T, self.n_tokens))
+        parts = self.active.attend_parts(layer, k, v, pos_new)
+        self._attended[layer] = sum(K.shape[1] for K, _, _ in parts)
+        # the policy sees the parts; keys/positions are concatenated only if it reads them whole
+        view = LayerView(layer, q, [K for K, _, _ in parts], [p for _, _, p in parts], T, self.n_tokens)
+        selection = self.policy.observe(view)
         if selection is not None:
             self.active.schedule(layer, selection)
-        return K, V
+        return [(K, V) for K, V, _ in parts]
+
+    def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`zoomr.kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last
+        (one contiguous copy when a fork shares frozen parts; :meth:`update_parts` reads them in place)."""
+        parts = self.update_parts(layer, q, k, v)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1)
 
     def end_forward(self, token_ids: list[int], text: str) -> None:
         """Advance positions, account the active size, let the policy choose the next selection."""
@@ -113,9 +132,10 @@ class PolicyKVCache:
     def fork(self) -> "PolicyKVCache":
         """A cache with the same contents and a separate future; events go to the same bus.
 
-        Shares what is stored (copy-on-write): the host store's sealed blocks (its tails, < ``block``
-        positions per layer, are copied), the active set's device buffers (a side that appends after
-        the other copies its O(active) part then) and whatever the policy holds immutably
+        Shares what is stored: the host store's sealed blocks (its tails, < ``block`` positions per
+        layer, are copied), the active set's resident K/V (frozen into read-only parts both sides attend
+        in place; each appends to small buffers of its own, see
+        :class:`zoomr.kvstore.active_set.ResidentActiveSet`) and whatever the policy holds immutably
         (:meth:`zoomr.kvstore.policy.KVPolicy.fork` says what each policy copies). Neither side ever
         sees the other's later tokens or selections.
         """

@@ -52,14 +52,19 @@ class H2OPolicy(KVPolicy):
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Accumulate this forward's attention; evict down to B when more is attended."""
-        pos = view.positions
-        q_pos = torch.arange(view.start, view.start + view.n_new, device=pos.device)
-        received = received_attention(grouped(view.q, self.ctx.n_kv_heads), q_pos, view.keys, pos)  # [Hkv, N]
+        # scored part by part (a fork's shared prefix is read in place); positions concatenated only to select
+        parts = view.position_parts
+        q_pos = torch.arange(view.start, view.start + view.n_new, device=parts[0].device)
+        received = received_attention(grouped(view.q, self.ctx.n_kv_heads), q_pos, view.key_parts, parts)  # [Hkv, N]
         acc = self._grow(view.layer, view.start + view.n_new, received.device)
-        acc.scatter_add_(1, pos, received)
-        N = pos.shape[1]
+        start = 0
+        for p in parts:
+            acc.scatter_add_(1, p, received[:, start:start + p.shape[1]])
+            start += p.shape[1]
+        N = start
         if N <= self.budget:
             return None
+        pos = view.positions
         cand = pos[:, :N - self.window]
         return keep_top(acc.gather(1, cand), cand, self.budget - self.window, pos[:, N - self.window:])
 

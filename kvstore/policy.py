@@ -26,25 +26,53 @@ from .events import RecomputeEvent
 from .host_store import HostKVStore
 
 
-@dataclass
 class LayerView:
     """One layer of one forward, as the policy sees it.
 
-    Attributes:
+    The attended keys may come in several parts (a fork reads the resident set it shares with its parent
+    in place, then its own positions): :attr:`key_parts` / :attr:`position_parts` are those parts as they
+    are; :attr:`keys` / :attr:`positions` concatenate them on first read (held by this view only, which the
+    cache drops after :meth:`KVPolicy.observe`), so a policy that does not read them pays nothing.
+
+    Args:
         layer: layer index.
         q: [H, T, d] post-RoPE queries of the T new tokens.
-        keys: [Hkv, N, d] post-RoPE keys attended by this forward (active set + the new tokens, last).
-        positions: [Hkv, N] int64 positions of ``keys`` (on the compute device).
+        keys: [Hkv, N, d] post-RoPE keys attended by this forward (active set + the new tokens, last), or
+            a list of parts [Hkv, n_i, d] in position order (Σ n_i = N).
+        positions: [Hkv, N] int64 positions of ``keys`` (on the compute device), or a list of parts
+            [Hkv, n_i] matching ``keys``.
         n_new: T.
         start: position of the first new token.
     """
 
-    layer: int
-    q: torch.Tensor
-    keys: torch.Tensor
-    positions: torch.Tensor
-    n_new: int
-    start: int
+    def __init__(self, layer: int, q: torch.Tensor, keys, positions, n_new: int, start: int):
+        self.layer, self.q, self.n_new, self.start = layer, q, n_new, start
+        self.key_parts: list[torch.Tensor] = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+        self.position_parts: list[torch.Tensor] = (list(positions) if isinstance(positions, (list, tuple))
+                                                   else [positions])
+        self._keys: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+
+    @property
+    def n_attended(self) -> int:
+        """N, the positions attended (tokens), without concatenating anything."""
+        return sum(p.shape[1] for p in self.position_parts)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[Hkv, N, d]: the key parts concatenated (a view when there is one part)."""
+        if self._keys is None:
+            ks = self.key_parts
+            self._keys = ks[0] if len(ks) == 1 else torch.cat(ks, dim=1)
+        return self._keys
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[Hkv, N] int64: the position parts concatenated (a view when there is one part)."""
+        if self._positions is None:
+            ps = self.position_parts
+            self._positions = ps[0] if len(ps) == 1 else torch.cat(ps, dim=1)
+        return self._positions
 
 
 @dataclass
@@ -161,14 +189,20 @@ def attention_probs(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_
 
     Args:
         q: [Hkv, G, T, d] grouped queries; q_pos: [T] their positions.
-        keys: [Hkv, N, d]; k_pos: [Hkv, N] their positions.
+        keys: [Hkv, N, d]; k_pos: [Hkv, N] their positions. Either may instead be a list of parts
+            ([Hkv, n_i, d] and [Hkv, n_i], Σ n_i = N, see :class:`LayerView`): scored in place, as if
+            concatenated.
     Returns:
         [Hkv, G, T, N] probabilities; a key later than its query gets 0.
     """
     d = q.shape[-1]
-    logits = torch.einsum("hgtd,hnd->hgtn", q, keys.float()) / d ** 0.5
-    future = k_pos[:, None, None, :] > q_pos.to(k_pos.device)[None, None, :, None]
-    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+    key_parts = keys if isinstance(keys, (list, tuple)) else [keys]
+    pos_parts = k_pos if isinstance(k_pos, (list, tuple)) else [k_pos]
+    logits = []
+    for K, pos in zip(key_parts, pos_parts, strict=True):
+        future = pos[:, None, None, :] > q_pos.to(pos.device)[None, None, :, None]
+        logits.append((torch.einsum("hgtd,hnd->hgtn", q, K.float()) / d ** 0.5).masked_fill(future, float("-inf")))
+    return (logits[0] if len(logits) == 1 else torch.cat(logits, dim=-1)).softmax(dim=-1)
 
 
 def received_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor,
@@ -179,11 +213,14 @@ def received_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor,
     long prefill never holds a [T, N] matrix per head (a 16K prompt would need gigabytes).
 
     Args:
-        q: [Hkv, G, T, d]; q_pos: [T]; keys: [Hkv, N, d]; k_pos: [Hkv, N].
+        q: [Hkv, G, T, d]; q_pos: [T]; keys: [Hkv, N, d]; k_pos: [Hkv, N] (or lists of parts, as in
+            :func:`attention_probs`).
     Returns:
         [Hkv, N] float32.
     """
-    total = torch.zeros(keys.shape[0], keys.shape[1], device=keys.device)
+    pos_parts = k_pos if isinstance(k_pos, (list, tuple)) else [k_pos]
+    first = keys[0] if isinstance(keys, (list, tuple)) else keys
+    total = torch.zeros(first.shape[0], sum(p.shape[1] for p in pos_parts), device=first.device)
     for i in range(0, q.shape[2], block):
         total += attention_probs(q[:, :, i:i + block], q_pos[i:i + block], keys, k_pos).sum(dim=(1, 2))
     return total

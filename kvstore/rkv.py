@@ -85,11 +85,11 @@ class RKVPolicy(KVPolicy):
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Remember the queries; compress to B once B + buffer positions are attended."""
         held = self.queries.push(view)
-        pos, keys = view.positions, view.keys
-        N, w = pos.shape[1], self.window
+        N, w = view.n_attended, self.window
         if N < self.budget + self.slack or held < w:
             return None
         q, _ = self.queries.window(view.layer)
+        pos, keys = view.positions, view.keys   # whole (a fork: concatenated) only to compress
         logits = torch.einsum("hgtd,hnd->hgtn", grouped(q, self.ctx.n_kv_heads), keys[:, :N - w].float())
         logits = logits.amax(dim=1) / keys.shape[-1] ** 0.5                  # [Hkv, W, N − w]
         importance = logits.softmax(dim=-1).mean(dim=1)

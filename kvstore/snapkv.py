@@ -60,11 +60,11 @@ class SnapKVPolicy(KVPolicy):
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Remember the queries; compress to B once B + buffer positions are attended."""
         self.queries.push(view)
-        pos = view.positions
-        N = pos.shape[1]
+        N = view.n_attended
         if N < self.budget + self.slack:
             return None
         q, q_pos = self.queries.window(view.layer)
+        pos = view.positions   # whole (a fork: concatenated) only to compress
         probs = attention_probs(grouped(q, self.ctx.n_kv_heads), q_pos, view.keys, pos)  # [Hkv, G, W, N]
         votes = probs[..., :N - self.window].sum(dim=2).mean(dim=1)                      # [Hkv, N − window]
         pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]

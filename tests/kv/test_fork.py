@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from zoomr.kvstore.active_set import ResidentActiveSet
+from zoomr.kvstore.active_set import FORK_CAPACITY, ResidentActiveSet
 from zoomr.kvstore.base import FullKVCache
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.full import FullPolicy
@@ -148,12 +148,18 @@ def test_fork_shares_the_stored_kv(name):
         assert kid.tail_k[layer] is not store.tail_k[layer]
         assert kid.tail_k[layer].shape[0] <= BLOCK and torch.equal(kid.tail_k[layer][:3], store.tail_k[layer][:3])
     if isinstance(cache.active, ResidentActiveSet):
-        for layer in range(L):
-            assert child.active.k[layer].data_ptr() == cache.active.k[layer].data_ptr()
-        feed(cache, forwards(9, 1))          # the parent appends in place: still one buffer for both
-        assert child.active.k[0].data_ptr() == cache.active.k[0].data_ptr()
-        feed(child, forwards(8, 1))          # the child must copy now
+        def prefix(c):
+            return [K.untyped_storage().data_ptr() for p in c.active.parts[0] for K in (p.k, p.v)]
+
+        for layer in range(L):   # the resident set is frozen into parts both sides read
+            assert [p.k for p in child.active.parts[layer]] == [p.k for p in cache.active.parts[layer]]
+        shared = prefix(cache)
+        assert shared and child.active.k[0] is None and cache.active.k[0] is None
+        feed(cache, forwards(9, 1))          # the parent appends to own buffers: the prefix stays shared
+        feed(child, forwards(8, 1))          # and so does the child, copying none of it
+        assert prefix(cache) == prefix(child) == shared
         assert child.active.k[0].data_ptr() != cache.active.k[0].data_ptr()
+        assert child.active.n[0] == cache.active.n[0] == 1
 
 
 @pytest.mark.parametrize("name", ["full", "streaming", "h2o", "snapkv", "rkv"])
@@ -240,13 +246,19 @@ def test_in_place_apply_equals_fresh_buffers_and_spares_shared_ones():
         assert all(torch.equal(a, b) for a, b in zip(*outs))
         if step == 30:
             forked = sets[1].fork(stores[1].fork())
-            frozen = forked.k[0][:, :forked.n[0]].clone()
+            frozen = resident_k(forked).clone()
         if step % 3 == 2:
             sel = random_selection(rng, written, sets[0].positions(0).numpy(), min(int(rng.integers(4, 12)), written))
             for act in sets:
                 act.schedule(0, sel)
     assert sets[1].moved_pairs == sets[0].moved_pairs
-    assert torch.equal(forked.k[0][:, :forked.n[0]], frozen)
+    assert torch.equal(resident_k(forked), frozen)
+
+
+def resident_k(act: ResidentActiveSet) -> torch.Tensor:
+    """Layer 0's resident keys [Hkv, N, d]: the frozen parts', then the own used ones."""
+    own = [] if act.k[0] is None else [act.k[0][:, :act.n[0]]]
+    return torch.cat([p.k for p in act.parts[0]] + own, dim=1)
 
 
 @pytest.mark.parametrize("name", ["full-device", "rkv", "zoomr"])
@@ -262,8 +274,9 @@ def test_a_family_of_forks_holds_the_prefix_once(name):
     for i, kid in enumerate(kids):
         feed(kid, forwards(10 + i, 1))
     grown = distinct_kv_bytes([cache, *kids])
-    one = sum(t.numel() * t.element_size() for w, t in cache.storages() if w == "device")
-    assert grown["device"] <= alone["device"] + 3 * one    # the first writer appended in place
+    # each kid appended to own buffers of FORK_CAPACITY positions and copied nothing of the shared prefix
+    own = 2 * L * HKV * (FullKVCache.FORK_CAPACITY if name == "full-device" else FORK_CAPACITY) * D * 4
+    assert grown["device"] == alone["device"] + 4 * own
     with pytest.raises(TypeError, match="storages"):
         distinct_kv_bytes([object()])
 
