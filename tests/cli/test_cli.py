@@ -144,8 +144,9 @@ def test_ngl_on_a_cpu_build_is_named_once():
 
 
 @pytest.mark.slow
-def test_ctrl_c_keeps_partial_result(tmp_path):
-    """SIGINT mid-generation: exit 130, the text so far printed and written to --json."""
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_keeps_partial_result(tmp_path, stop):
+    """SIGINT (Ctrl-C) or SIGTERM (kill) mid-generation: exit 130, the text so far printed and written to --json."""
     import signal
     import time
 
@@ -158,7 +159,7 @@ def test_ctrl_c_keeps_partial_result(tmp_path):
     wait_for(lambda: len(streamed.read_text(errors="replace")) >= 40, p, 300, "40 characters of streamed text")
     first = streamed.read_text(errors="replace")[:40]
     time.sleep(0.5)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, stop))
     _, stderr = p.communicate(timeout=120)
     assert p.returncode == 130, stderr
     assert "Traceback" not in stderr

@@ -73,7 +73,8 @@ def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
 
 
 @pytest.mark.slow
-def test_ctrl_c_writes_what_was_committed(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_writes_what_was_committed(tmp_path, stop):
     out, printed = tmp_path / "run.json", tmp_path / "stdout.txt"
     with printed.open("w") as sink:
         p = subprocess.Popen(zoomr_cmd() + ["solve", "-p", PROBLEM, "--rescue", "--backend", "llamacpp", "-t", "1",
@@ -83,7 +84,7 @@ def test_ctrl_c_writes_what_was_committed(tmp_path):
     try:  # wait for the first committed step, then interrupt mid-run
         wait_for(lambda: "\n[step 1 ·" in "\n" + printed.read_text(errors="replace"), p, 600,
                  "the first committed step")
-        p.send_signal(signal.SIGINT)
+        p.send_signal(getattr(signal, stop))
         _, stderr = p.communicate(timeout=120)
     finally:
         p.kill()

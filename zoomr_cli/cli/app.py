@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
+import signal
 import sys
 from importlib import metadata
 from typing import Annotated
@@ -148,17 +150,38 @@ def _register() -> None:
     app.command("finetune")(_interruptible(finetune_command))
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM (``kill``, a job scheduler's or container's stop) ends a command the way Ctrl-C does: solve
+    keeps its partial text, stats and ``--json``, bench its finished cells and the ``--resume`` hint,
+    finetune saves a checkpoint; exit 130. Only in the main thread (where signal handlers can be set)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        prev = signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        prev = None
+    try:
+        yield
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the app, turn failures into one stderr line and an exit code.
 
-    Exit codes: 0 ok, 1 runtime failure, 2 bad input (usage, files, model, values), 130 Ctrl-C.
+    Exit codes: 0 ok, 1 runtime failure, 2 bad input (usage, files, model, values), 130 Ctrl-C or SIGTERM.
     """
     _register()
     args = sys.argv[1:] if argv is None else argv
     try:
         command = typer.main.get_command(app)
         plain_metavars(command)
-        rv = command(args=args, prog_name="zoomr", standalone_mode=False)
+        # chat's Ctrl-C only stops an answer; a SIGTERM there must still end the process
+        with _sigterm_as_ctrl_c() if args[:1] != ["chat"] else contextlib.nullcontext():
+            rv = command(args=args, prog_name="zoomr", standalone_mode=False)
     except _ABORT:
         print("zoomr: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

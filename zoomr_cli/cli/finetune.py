@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import shlex
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -105,8 +103,7 @@ def finetune_command(
     if live:
         progress.start()
     try:
-        with _sigterm_as_ctrl_c():
-            summary = run_finetune(cfg, on_event)
+        summary = run_finetune(cfg, on_event)
     except KeyboardInterrupt:
         err.print(f"interrupted: what was done is kept in {out} (training saves a checkpoint); --resume continues")
         raise
@@ -117,21 +114,3 @@ def finetune_command(
     if losses:
         print(f"steps {summary['steps']} · loss {losses[0]:.3f} → {losses[-1]:.3f} · {summary['seconds']:.0f} s · {out}")
     return 0
-
-
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c():
-    """SIGTERM (``kill``, a job scheduler's stop) ends a finetune the way Ctrl-C does: the training stage
-    saves a checkpoint of the steps done before the process exits (130), so ``--resume`` loses nothing."""
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        prev = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: signal handlers can only be set there
-        prev = None
-    try:
-        yield
-    finally:
-        if prev is not None:
-            signal.signal(signal.SIGTERM, prev)

@@ -30,7 +30,7 @@ def _kv_line(role: str, kv: dict) -> str:
 
 
 class CtrlC:
-    """While active, the first Ctrl-C only sets a flag that the loop polls before every token, so the run
+    """While active, the first Ctrl-C (or SIGTERM) only sets a flag that the loop polls before every token, so the run
     ends cleanly wherever it is (Python would otherwise raise KeyboardInterrupt wherever the signal lands,
     including inside llama.cpp's C log callback, where ctypes swallows it). A second Ctrl-C interrupts at once.
     Outside the main thread it does nothing (signal handlers can only be set there)."""
@@ -48,15 +48,16 @@ class CtrlC:
         self.pressed = True
 
     def __enter__(self) -> "CtrlC":
+        # SIGTERM (kill) ends the run the same clean way: committed steps and --json kept
         try:
-            self._prev = signal.signal(signal.SIGINT, self._handler)
+            self._prev = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:  # not the main thread
             self._prev = None
         return self
 
     def __exit__(self, *exc) -> bool:
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
+        for sig, prev in (self._prev or {}).items():
+            signal.signal(sig, prev)
         return False
 
 
