@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .base import join_parts
 from .host_store import HostKVStore
 
 
@@ -314,10 +315,7 @@ class ResidentActiveSet:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`attend_parts` as one (K, V, positions) triple, [Hkv, N, d] / [Hkv, N]: views of the own
         buffers when there are no frozen parts, else a fresh concatenation (O(N) per call)."""
-        parts = self.attend_parts(layer, k_new, v_new, pos_new)
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(torch.cat(ts, dim=1) for ts in zip(*parts))
+        return join_parts(self.attend_parts(layer, k_new, v_new, pos_new))
 
     def _grow(self, layer: int, need: int) -> None:
         cap = 0 if self.k[layer] is None else self.k[layer].shape[1]

@@ -14,6 +14,16 @@ import torch
 from .stats import KVMeter, KVStats
 
 
+def join_parts(parts: list) -> tuple[torch.Tensor, ...]:
+    """Parts of a layer's attended set, each a tuple of tensors (K [Hkv, n_i, d], V [Hkv, n_i, d], maybe
+    positions [Hkv, n_i]) in position order, as one tuple concatenated along positions (dim 1): the
+    part itself when there is one (no copy), else fresh tensors (O(Σ n_i)); ``()`` for no parts.
+    """
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(torch.cat(column, dim=1) for column in zip(*parts))
+
+
 @runtime_checkable
 class KVCache(Protocol):
     """Per-sequence KV storage for all layers.
@@ -128,10 +138,7 @@ class FullKVCache:
     def update(self, layer, q, k, v):
         """See :meth:`KVCache.update`; returns all positions written so far (one contiguous copy when the
         cache holds frozen parts)."""
-        parts = self.update_parts(layer, q, k, v)
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1)
+        return join_parts(self.update_parts(layer, q, k, v))
 
     def end_forward(self, token_ids, text):
         """Advance the write position by the forward's token count."""
@@ -148,7 +155,7 @@ class FullKVCache:
             if own:
                 parts = [*parts, (self.k[layer][:, :own], self.v[layer][:, :own])]
             if len(parts) > self.MAX_PARTS:
-                parts = [(torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1))]
+                parts = [join_parts(parts)]
             self.parts[layer] = parts
             self.k[layer] = self.v[layer] = None
         self.frozen = self.n_tokens

@@ -16,6 +16,7 @@ import copy
 import torch
 
 from .active_set import ResidentActiveSet, StreamedActiveSet
+from .base import join_parts
 from .events import EventBus
 from .host_store import BLOCK, HostKVStore, PositionCount
 from .policy import ForwardInfo, KVPolicy, LayerView, PolicyContext
@@ -108,10 +109,7 @@ class PolicyKVCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """See :meth:`zoomr.kvstore.base.KVCache.update`: returns the active set's K/V, new tokens last
         (one contiguous copy when a fork shares frozen parts; :meth:`update_parts` reads them in place)."""
-        parts = self.update_parts(layer, q, k, v)
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([K for K, _ in parts], dim=1), torch.cat([V for _, V in parts], dim=1)
+        return join_parts(self.update_parts(layer, q, k, v))
 
     def end_forward(self, token_ids: list[int], text: str) -> None:
         """Advance positions, account the active size, let the policy choose the next selection."""

@@ -23,6 +23,7 @@ from typing import Callable, ClassVar
 import torch
 
 from .events import RecomputeEvent
+from .base import join_parts
 from .host_store import HostKVStore
 
 
@@ -62,16 +63,14 @@ class LayerView:
     def keys(self) -> torch.Tensor:
         """[Hkv, N, d]: the key parts concatenated (a view when there is one part)."""
         if self._keys is None:
-            ks = self.key_parts
-            self._keys = ks[0] if len(ks) == 1 else torch.cat(ks, dim=1)
+            self._keys = join_parts([(k,) for k in self.key_parts])[0]
         return self._keys
 
     @property
     def positions(self) -> torch.Tensor:
         """[Hkv, N] int64: the position parts concatenated (a view when there is one part)."""
         if self._positions is None:
-            ps = self.position_parts
-            self._positions = ps[0] if len(ps) == 1 else torch.cat(ps, dim=1)
+            self._positions = join_parts([(p,) for p in self.position_parts])[0]
         return self._positions
 
 
