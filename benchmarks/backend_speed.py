@@ -1,23 +1,28 @@
 """Prefill and decode throughput of the torch backend (dense, int8, int4, fp16 weights) against llama-cpp-python.
 
-Same model file, same prompt, same thread count, greedy decoding; every engine is timed in this
-process one after the other, so the ratios are comparable even though absolute times vary by machine
-(and by what else runs on it: one run, not a median).
+Same model file, same prompt, same thread count, greedy decoding. Every engine is loaded once, then
+``--rounds`` rounds run them one after the other (llama.cpp first), each round a fresh sequence: prefill
+the prompt, decode ``--decode-tokens``. A row's ratio to llama.cpp is taken within each round and the
+median over rounds is reported, so a machine whose speed drifts (a shared host) moves both sides of a
+ratio together; the per-round figures are kept in the JSON (``rounds``).
 
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
 (``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, and ``fp16w`` (``--quant fp16``:
 fp16 weights in fbgemm's fp32-compute GEMM, x86 CPUs only). ``--json PATH`` writes the rows:
-``engine``, ``prefill_tok_s``, ``decode_tok_s``, ``prefill_ratio`` and ``decode_ratio`` (over llama.cpp's),
-``weight_MiB``, ``dtype``, ``kv_dtype``. ``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32
-on a CPU), e.g. to compare fp32 and bf16 attention at a long ``--prompt-tokens``.
+``engine``, ``prefill_tok_s``, ``decode_tok_s`` (medians over rounds), ``prefill_ratio`` and ``decode_ratio``
+(medians of the per-round ratios to llama.cpp), ``weight_MiB``, ``dtype``, ``kv_dtype``, ``rounds``.
+``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32 on a CPU), e.g. to compare fp32 and
+bf16 attention at a long ``--prompt-tokens``.
 
-    python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2] [--json out.json]
+    python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2]
+        [--rounds 3] [--rows int4,fp16w] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -33,53 +38,62 @@ ROWS = {"fp32": ("fp32", "none"), "fp16": ("fp16", "none"), "bf16": ("bf16", "no
         "int4": ("auto", "int4"), "fp16w": ("auto", "fp16")}
 
 
-def bench_torch(source, row: str, ids: list[int], n_decode: int, threads: int, device: str,
-                kv_dtype: str = "auto") -> dict:
-    from zoomr.backends.torch.engine import TorchBackend
+class TorchRow:
+    """One torch-backend row, loaded once; :meth:`run` times one round."""
 
-    dtype, quant = ROWS[row]
-    be = TorchBackend(source, device=device, dtype=dtype, n_ctx=len(ids) + n_decode + 8, threads=threads,
-                      quant=quant, kv_dtype=kv_dtype)
-    be.prefill(be.new_sequence(), ids[:16])  # warm-up: allocator, kernels
-    seq = be.new_sequence()
-    t = time.perf_counter()
-    logits = be.prefill(seq, ids)
-    prefill_s = time.perf_counter() - t
-    tok = int(np.argmax(logits))
-    t = time.perf_counter()
-    for _ in range(n_decode):
-        tok = int(np.argmax(be.decode(seq, tok)))
-    decode_s = time.perf_counter() - t
-    return {"engine": f"torch {row}", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
-            "weight_MiB": be.model.weight_bytes() / 2**20, "dtype": str(be.dtype).replace("torch.", ""),
-            "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
-            "weights": be.model.weight_summary()}
+    def __init__(self, source, row: str, n_ctx: int, threads: int, device: str, kv_dtype: str = "auto"):
+        from zoomr.backends.torch.engine import TorchBackend
+
+        dtype, quant = ROWS[row]
+        self.be = be = TorchBackend(source, device=device, dtype=dtype, n_ctx=n_ctx, threads=threads, quant=quant,
+                                    kv_dtype=kv_dtype)
+        self.info = {"engine": f"torch {row}", "weight_MiB": be.model.weight_bytes() / 2**20,
+                     "dtype": str(be.dtype).replace("torch.", ""), "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
+                     "weights": be.model.weight_summary()}
+        be.prefill(be.new_sequence(), [1] * 16)  # warm-up: allocator, kernels
+
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) of one fresh sequence."""
+        be = self.be
+        seq = be.new_sequence()
+        t = time.perf_counter()
+        logits = be.prefill(seq, ids)
+        prefill_s = time.perf_counter() - t
+        tok = int(np.argmax(logits))
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            tok = int(np.argmax(be.decode(seq, tok)))
+        return len(ids) / prefill_s, n_decode / (time.perf_counter() - t)
 
 
-def bench_llamacpp(path, ids: list[int], n_decode: int, threads: int) -> dict:
-    import llama_cpp
+class LlamaCppRow:
+    """llama-cpp-python on the same file, loaded once; :meth:`run` times one round (KV cleared first)."""
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + n_decode + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
-    llm.eval(ids[:16])
-    llm.reset()
-    t = time.perf_counter()
-    llm.eval(ids)
-    prefill_s = time.perf_counter() - t
-    n_vocab = llm.n_vocab()
+    def __init__(self, path, n_ctx: int, threads: int):
+        import llama_cpp
 
-    def last_logits() -> np.ndarray:
-        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.llm.eval([1] * 16)
+        self.info = {"engine": "llama.cpp", "weight_MiB": os.path.getsize(path) / 2**20}
 
-    tok = int(np.argmax(last_logits()))
-    t = time.perf_counter()
-    for _ in range(n_decode):
-        llm.eval([tok])
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        llm, n_vocab = self.llm, self.llm.n_vocab()
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        prefill_s = time.perf_counter() - t
+
+        def last_logits() -> np.ndarray:
+            return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
         tok = int(np.argmax(last_logits()))
-    decode_s = time.perf_counter() - t
-    import os
-    return {"engine": "llama.cpp", "prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": n_decode / decode_s,
-            "weight_MiB": os.path.getsize(path) / 2**20}
+        t = time.perf_counter()
+        for _ in range(n_decode):
+            llm.eval([tok])
+            tok = int(np.argmax(last_logits()))
+        return len(ids) / prefill_s, n_decode / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -88,6 +102,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are the median over them")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"torch rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache / attention dtype of the torch rows (auto: fp32 on a "
@@ -98,21 +113,36 @@ def main() -> None:
     from zoomr.backends.models import resolve_model
     from zoomr.backends.tokenizer import LlamaCppTokenizer
 
-    for row in a.rows.split(","):
+    names = a.rows.split(",")
+    for row in names:
         if row not in ROWS:
             ap.error(f"--rows: {row!r} unknown (choose from {', '.join(ROWS)})")
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     src = resolve_model(a.model)
     ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
-    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads", flush=True)
+    n_ctx = len(ids) + a.decode_tokens + 8
+    engines = [LlamaCppRow(src.path, n_ctx, a.threads)] + [
+        TorchRow(src, row, n_ctx, a.threads, a.device, a.kv_dtype) for row in names]
+    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads, {a.rounds} "
+          f"interleaved rounds (medians)", flush=True)
+    per_round = [[] for _ in engines]  # [(prefill tok/s, decode tok/s)] per engine
+    for r in range(a.rounds):
+        for e, out in zip(engines, per_round):
+            out.append(e.run(ids, a.decode_tokens))
+        print(f"round {r + 1}: " + ", ".join(f"{e.info['engine']} {d:.1f}" for e, out in zip(engines, per_round)
+                                             for _, d in out[-1:]) + " decode tok/s", flush=True)
     print(f"{'engine':<14}{'prefill tok/s':>15}{'×llama.cpp':>12}{'decode tok/s':>14}{'×llama.cpp':>12}"
           f"{'weights MiB':>13}  compute", flush=True)
     rows = []
-    for row in ["llama.cpp"] + a.rows.split(","):  # each row printed as it finishes
-        r = (bench_llamacpp(src.path, ids, a.decode_tokens, a.threads) if row == "llama.cpp"
-             else bench_torch(src, row, ids, a.decode_tokens, a.threads, a.device, a.kv_dtype))
+    for e, out in zip(engines, per_round):
+        ref = per_round[0]
+        r = {**e.info, "prefill_tok_s": float(np.median([p for p, _ in out])),
+             "decode_tok_s": float(np.median([d for _, d in out])),
+             "prefill_ratio": float(np.median([p / q for (p, _), (q, _) in zip(out, ref)])),
+             "decode_ratio": float(np.median([d / q for (_, d), (_, q) in zip(out, ref)])),
+             "rounds": [{"prefill_tok_s": p, "decode_tok_s": d} for p, d in out]}
         rows.append(r)
-        r["decode_ratio"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
-        r["prefill_ratio"] = r["prefill_tok_s"] / rows[0]["prefill_tok_s"]
         print(f"{r['engine']:<14}{r['prefill_tok_s']:>15.1f}{r['prefill_ratio']:>12.2f}{r['decode_tok_s']:>14.1f}"
               f"{r['decode_ratio']:>12.2f}{r['weight_MiB']:>13.0f}  {r.get('dtype', '')} {r.get('weights', '')}"
               f"{' · KV ' + r['kv_dtype'] if 'kv_dtype' in r else ''}",

@@ -3,49 +3,19 @@
 import numpy as np
 import pytest
 
-from zoomr.evaluation.datasets import records
+from zoomr.evaluation.parity import agreement as logit_agreement
+from zoomr.evaluation.parity import gsm8k_text_ids, llamacpp_logits
 
 N_TOKENS = 512
 
 
-def real_text_ids(tokenizer, n: int) -> list[int]:
-    """n tokens of real text: GSM8K questions and worked answers, in file order."""
-    parts = []
-    for rec in records("gsm8k"):  # the copy shipped in the package
-        parts.append(f"Question: {rec['question']}\nAnswer: {rec['answer']}\n\n")
-        ids = tokenizer.encode("".join(parts), add_bos=False, special=False)
-        if len(ids) >= n:
-            return ids[:n]
-    raise AssertionError("GSM8K file too short")
-
-
-def llamacpp_logits(path, ids: list[int]) -> np.ndarray:
-    """[T, vocab] logits from llama.cpp itself (logits for every position)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=1024, logits_all=True, verbose=False, seed=0)
-    try:
-        llm.eval(ids)
-        return np.array(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()  # now, not in __del__ at interpreter exit, when llama.cpp's bindings are already gone
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 def agreement(backend, embedded_path) -> tuple[float, float]:
     """(top-1 agreement, mean KL(llama.cpp || torch) in nats) teacher-forced over N_TOKENS of real text."""
-    ids = real_text_ids(backend.tokenizer, N_TOKENS)
+    ids = gsm8k_text_ids(backend.tokenizer, N_TOKENS)
     ours = backend.prefill(backend.new_sequence(), ids, all_logits=True)
     ref = llamacpp_logits(embedded_path, ids)
     assert ours.shape == ref.shape == (N_TOKENS, backend.cfg.vocab)
-    top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
-    lp_ref, lp_ours = log_softmax(ref), log_softmax(ours)
-    kl = float((np.exp(lp_ref) * (lp_ref - lp_ours)).sum(-1).mean())
+    top1, kl = logit_agreement(ours, ref)
     print(f"\n{backend.describe()}: over {N_TOKENS} tokens top-1 agreement {top1:.4f}, mean KL(llama.cpp||torch) "
           f"{kl:.5f} nats, max |dlogit| {float(np.abs(ours - ref).max()):.3f}")
     return top1, kl
@@ -60,18 +30,19 @@ def test_torch_matches_llamacpp_teacher_forced(torch_backend, embedded_path):
 
 @pytest.mark.slow
 def test_quantized_bf16_path_matches_llamacpp(embedded_path):
-    """The default CPU path: the file's Q4_1/Q8_0 blocks kept as int4, bf16 activations, fp32 residual stream
-    and fp32 KV. Measured 0.9746 / 0.00359 (bf16 KV: 0.9766 / 0.00386), as close as dense bf16 weights get
-    (0.9746 / 0.00346): what bf16 activations and logits cost. The same int4 weights with fp32 activations give the fp32 path's numbers exactly
-    (0.9824 / 0.00286; test_quant.py checks that decoder against the dense one)."""
+    """The default CPU path: the file's Q4_1/Q8_0 blocks kept as int4, bf16 activations, fp32 residual stream,
+    fp32 SwiGLU product, fp32 KV and exact top-64 head logits. The issue's target, top-1 >= 0.98 and KL <= 0.003:
+    measured 0.9824 / 0.00286 (the fp32 path's numbers) on an AVX512-BF16 CPU; with the head's bf16 logits it was
+    0.9727 / 0.00353, and with the SwiGLU product in bf16 0.9766 / 0.00297. Through decode, one token a forward,
+    0.9805 / 0.00285 (benchmarks/quant_fidelity.py measures both ways)."""
     from zoomr.backends.models import resolve_model
     from zoomr.backends.torch.engine import TorchBackend
 
     be = TorchBackend(resolve_model(None), device="cpu", dtype="bf16", quant="auto", n_ctx=2048)
-    assert "int4 (Q4_1)" in be.describe()
+    assert "int4 (Q4_1)" in be.describe() and "exact" in be.describe()
     top1, kl = agreement(be, embedded_path)
-    assert top1 >= 0.97
-    assert kl <= 0.0045
+    assert top1 >= 0.98
+    assert kl <= 0.003
 
 
 @pytest.mark.slow
@@ -98,7 +69,7 @@ def torch_cpu():
 
 def test_prefill_then_decode_equals_one_prefill(torch_backend):
     """KV-cache correctness: logits of token t are the same whether t came in the prefill or by decode."""
-    ids = real_text_ids(torch_backend.tokenizer, 40)
+    ids = gsm8k_text_ids(torch_backend.tokenizer, 40)
     full = torch_backend.prefill(torch_backend.new_sequence(), ids, all_logits=True)
     seq = torch_backend.new_sequence()
     torch_backend.prefill(seq, ids[:30])
@@ -107,7 +78,7 @@ def test_prefill_then_decode_equals_one_prefill(torch_backend):
 
 
 def test_fork_continues_independently(torch_backend):
-    ids = real_text_ids(torch_backend.tokenizer, 20)
+    ids = gsm8k_text_ids(torch_backend.tokenizer, 20)
     seq = torch_backend.new_sequence()
     torch_backend.prefill(seq, ids[:10])
     child = torch_backend.fork(seq)

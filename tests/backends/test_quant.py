@@ -204,6 +204,36 @@ def test_quantized_decoder_close_to_dense(embedded_path):
     np.testing.assert_allclose(out["auto"], out["none"], atol=2e-3, rtol=0)
 
 
+def test_half_precision_head_gives_exact_top_logits(embedded_path):
+    """bf16 activations, the file's Q8_0 head in the int4 kernel: per row, the EXACT_TOP_K largest logits are
+    the fp32 head's on the same hidden state (the kernel's own bf16 logits are off by up to ~2⁻⁹ of their size),
+    the rest keep the kernel's rounding; the tied table is not held twice."""
+    from zoomr.backends.torch.head import EXACT_TOP_K, ExactTopHead
+    from zoomr.backends.torch.model import Decoder
+    from zoomr.backends.torch.weights import load_gguf
+
+    cfg, kept, _ = load_gguf(embedded_path, keep_blocks=True)
+    dec = Decoder(cfg, kept, CPU, torch.bfloat16, quant="auto")
+    head = dec.lm_head
+    assert isinstance(head, ExactTopHead) and head.table is dec.embed
+    assert dec.weight_summary() == f"int4 (Q4_1), head int4 (Q8_0), top-{EXACT_TOP_K} exact"
+    h = linear_inputs(cfg.hidden, 3, seed=9)
+    h = h / h.norm(dim=-1, keepdim=True) * 20.0  # hidden states of a final-norm's size: logits of tens
+    w = torch.from_numpy(kept["model.embed_tokens.weight"].dequantize())
+    exact = h @ w.T
+    got = head(h)
+    fast = head.fast(h.bfloat16()).float()
+    for row in range(3):
+        top = fast[row].topk(EXACT_TOP_K).indices  # the candidates the head re-scores
+        torch.testing.assert_close(got[row, top], exact[row, top], rtol=0, atol=1e-4)
+        assert (fast[row, top] - exact[row, top]).abs().max() > 1e-3  # what it corrects is really there
+        rest = torch.ones_like(got[row], dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(got[row, rest], fast[row, rest])
+    assert float(dec.lm_head.fast.nbytes()) == dec.lm_head.nbytes()
+    assert not isinstance(Decoder(cfg, kept, CPU, torch.float32, quant="auto").lm_head, ExactTopHead)
+
+
 def test_bad_quant_is_one_line_exit_2():
     assert_one_line_error(zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int3"))
     for flag, value in (("--quant", "int4"), ("--kv-dtype", "bf16")):

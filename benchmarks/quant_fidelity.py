@@ -1,0 +1,125 @@
+"""How closely the torch backend's weight formats follow llama.cpp, and whether ZoomR selects the same under them.
+
+Two measurements, teacher-forced over the same real text (GSM8K questions and worked answers from the copy
+shipped in the package, as the parity test reads them), one run:
+
+1. Logits: for each ``--rows`` entry (``dtype:quant``, as ``--dtype`` / ``--quant``), top-1 agreement with
+   llama.cpp on the same GGUF file and mean KL(llama.cpp || torch) in nats over ``--tokens`` positions,
+   once through prefill (one forward, every position's logits) and once through decode (one token a
+   forward, what generation runs). The issue's target for the quantized path: top-1 ≥ 0.98, KL ≤ 0.003.
+2. ZoomR (``--summaries auto``): the same text decoded token by token under ``--policy zoomr`` with the
+   reference row (``fp32:none``) and each other row; every recompute's zoomed-in and summary segment
+   lists compared position by position. The issue's target: the same selections for ≥ 95% of recomputes.
+
+    python benchmarks/quant_fidelity.py [--rows fp32:none,bf16:auto,fp32:fp16] [--tokens 512]
+        [--zoomr-problems 3] [--zoomr-tokens 384] [-t 2] [--json out.json|-]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from _report import write_json  # benchmarks/ is on sys.path when a script runs
+
+
+def logits_both_ways(be, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """([T, vocab] from one prefill, [T, vocab] from one decode a token) on fresh sequences."""
+    pre = np.asarray(be.prefill(be.new_sequence(), ids, all_logits=True))
+    seq = be.new_sequence()
+    rows = [np.asarray(be.prefill(seq, ids[:1]))]
+    rows += [np.asarray(be.decode(seq, t)) for t in ids[1:]]
+    return pre, np.stack(rows)
+
+
+def zoomr_selections(be, problems: list[tuple[list[int], list[int]]]) -> list[list[tuple]]:
+    """Per problem, every ZoomR recompute as (position, zoomed, summaries), teacher-forced on its answer.
+
+    Args:
+        be: a loaded torch backend running ``--policy zoomr``.
+        problems: (prompt ids, answer ids) pairs.
+    """
+    from zoomr.kvstore.events import kv_events
+
+    out: list[list[tuple]] = []
+    kv_events(be).subscribe(lambda e: out[-1].append((e.position, tuple(e.zoomed), tuple(e.summaries))))
+    for prompt, answer in problems:
+        out.append([])
+        seq = be.new_sequence()
+        be.prefill(seq, prompt)
+        for t in answer:
+            be.decode(seq, t)
+        be.free(seq)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
+    ap.add_argument("--rows", default="fp32:none,bf16:auto,fp32:fp16",
+                    help="dtype:quant pairs; the first is the ZoomR reference")
+    ap.add_argument("--tokens", type=int, default=512, help="teacher-forced positions for the logits")
+    ap.add_argument("--zoomr-problems", type=int, default=3, help="GSM8K problems for the ZoomR comparison (0: skip)")
+    ap.add_argument("--zoomr-tokens", type=int, default=384, help="answer tokens forced per problem")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the record here ('-': stdout)")
+    a = ap.parse_args()
+
+    import zoomr
+    from zoomr.backends.models import resolve_model
+    from zoomr.evaluation.parity import agreement, gsm8k_text_ids, llamacpp_logits
+    from zoomr.backends.tokenizer import LlamaCppTokenizer
+    from zoomr.evaluation.datasets import records
+
+    rows = [tuple(r.split(":")) for r in a.rows.split(",")]
+    if any(len(r) != 2 for r in rows):
+        ap.error("--rows: dtype:quant pairs, e.g. bf16:auto")
+    src = resolve_model(a.model)
+    tok = LlamaCppTokenizer(src.path)
+    ids = gsm8k_text_ids(tok, a.tokens)
+    ref = llamacpp_logits(src.path, ids)
+    log = sys.stderr if a.json == "-" else sys.stdout
+    record = {"tokens": len(ids), "rows": []}
+    problems = []
+    for i, rec in enumerate(records("gsm8k")):
+        if i >= a.zoomr_problems:
+            break
+        prompt = tok.encode(f"Question: {rec['question']}\nAnswer:", add_bos=False, special=False)
+        # the answer repeated: long enough for --zoomr-tokens, real text with sentence and line boundaries
+        answer = tok.encode(" " + (rec["answer"] + "\n\n") * 8, add_bos=False, special=False)[:a.zoomr_tokens]
+        problems.append((prompt, answer))
+    reference_sel = None
+    for dtype, quant in rows:
+        be = zoomr.load(a.model, dtype=dtype, quant=quant, threads=a.threads, ctx_size=len(ids) + 1024,
+                        device="cpu")
+        pre, dec = logits_both_ways(be, ids)
+        row = {"dtype": dtype, "quant": quant, "model": be.describe_model(),
+               **{way: dict(zip(("top1", "kl"), (round(x, 5) for x in agreement(got, ref))))
+                  for way, got in (("prefill", pre), ("decode", dec))}}
+        if problems:
+            zb = zoomr.load(a.model, policy="zoomr", dtype=dtype, quant=quant, threads=a.threads,
+                            ctx_size=4096, device="cpu")
+            sel = zoomr_selections(zb, problems)
+            n = sum(len(s) for s in sel)
+            if reference_sel is None:
+                reference_sel = sel
+                row["zoomr"] = {"recomputes": n}
+            else:
+                same = sum(x == y for s, r in zip(sel, reference_sel) for x, y in zip(s, r))
+                total = max(n, sum(len(r) for r in reference_sel))
+                row["zoomr"] = {"recomputes": n, "same_as_reference": same, "share": round(same / max(total, 1), 4)}
+        record["rows"].append(row)
+        z = row.get("zoomr", {})
+        print(f"{dtype}:{quant:<5} prefill top-1 {row['prefill']['top1']:.4f} KL {row['prefill']['kl']:.5f} · decode "
+              f"top-1 {row['decode']['top1']:.4f} KL {row['decode']['kl']:.5f}"
+              + (f" · zoomr {z['same_as_reference']}/{max(z['recomputes'], 1)} recomputes as the reference"
+                 if "share" in z else f" · zoomr {z['recomputes']} recomputes (reference)" if z else "")
+              + f"  [{row['model']}]", file=log, flush=True)
+    if a.json:
+        write_json(record, a.json)
+
+
+if __name__ == "__main__":
+    main()
