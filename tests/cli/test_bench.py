@@ -238,6 +238,7 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
 
 @pytest.mark.parametrize("case,args,needle", [
     ("array", ["--dataset", "{d}"], "JSON object"),
+    ("not_json", ["--dataset", "{d}"], ":1: not JSON (Expecting"),
     ("null_answer", ["--dataset", "{d}"], "answer"),
     ("empty_problem", ["--dataset", "{d}"], "empty"),
     (None, ["-n", "0"], "-n 0"),
@@ -256,7 +257,7 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     ("tiny_ctx", ["--out", "{o}", "-c", "24", "--policies", "full"], "problem 0: the prompt has"),
     ("config_list", ["--out", "{o}", "--resume"], "not a bench config"),
     ("records_no_config", ["--out", "{o}", "--resume"], "no config.json"),
-    ("out_is_file", ["--out", "{d}"], "--out"),
+    ("out_is_file", ["--out", "{d}"], "is a file, not a folder"),
     ("bad_record", ["--out", "{o}", "--resume"], "not a bench record"),
     ("binary_record", ["--out", "{o}", "--resume"], "not a bench record"),
     ("bad_config", ["--out", "{o}", "--resume"], "not a bench config"),
@@ -264,7 +265,8 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
 def test_bench_bad_input_is_one_line_exit_2(tmp_path, case, args, needle):
     d, o = tmp_path / "data.jsonl", tmp_path / "out"
     o.mkdir()
-    lines = {"array": "[1, 2]", "null_answer": '{"question": "1+1?", "answer": null}',
+    lines = {"array": "[1, 2]", "not_json": '{"question": "1+1?", answer: 2}',
+             "null_answer": '{"question": "1+1?", "answer": null}',
              "empty_problem": '{"problem": "  ", "answer": "2"}'}
     d.write_text(lines.get(case, '{"question": "1+1?", "answer": "2"}') + "\n")
     if case == "bad_record":

@@ -62,6 +62,8 @@ def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
     said = r.stdout + r.stderr
     assert ("no second load" in said) == (backend == "torch")
     assert ("loading helper model" in said) == (backend != "torch")
+    # no --prm: the fallback scorer loads nothing, and the run says which scorer it is
+    assert "loading scorer" not in said and "scorer: helper mean log-likelihood" in said
     rec = json.loads(r.stdout if out == "-" else out.read_text())
     shown = r.stderr if out == "-" else r.stdout
     assert rec["settings"]["base_policy"] == policy and f"KV policy {policy}" in rec["base"]

@@ -394,6 +394,9 @@ def _open_log(out: Path, config: dict, resume: bool) -> RecordLog:
         UserError: the folder cannot be made, holds records without --resume, or other settings.
         ValueError: a records file or config.json that is not ours.
     """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is a file, not a folder (bench writes records.jsonl, config.json and "
+                        "plots into a folder)")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -95,8 +95,12 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     max_context = plan.config.max_context
     base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
     base_ids = fit_prompt(base.tokenizer, problem, base_system, max_context)
-    with out.status("loading scorer…"):
-        scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
+    if plan.prm is None:  # the fallback reads the helper's likelihoods: nothing to load
+        scorer = build_scorer(None)
+        out.info(f"scorer: {scorer.name}")
+    else:
+        with out.status("loading scorer…"):
+            scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
     if helper_is_base(base, plan.helper_opts):
         out.info("helper: the base model's own weights with full KV (no second load)")
         helper = build_helper(base, plan.helper_opts)

@@ -173,9 +173,10 @@ def parse_records(lines, source: str) -> list[Problem]:
                 rec = json.loads(line)
             except RecursionError:
                 raise DatasetError("JSON nested too deeply") from None
-            except ValueError as e:
-                if isinstance(e, json.JSONDecodeError):
-                    raise
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"not JSON ({e.msg} at column {e.colno}); expected one JSON object per line, "
+                                   "e.g. {\"question\": ..., \"answer\": ...}") from None
+            except ValueError:
                 raise DatasetError("a number of more than 4300 digits (Python's limit)") from None
             if not isinstance(rec, dict):
                 raise DatasetError(f"expected a JSON object per line, got {type(rec).__name__}")
