@@ -35,6 +35,25 @@ MAX_PARTS = 4        # frozen parts per layer before a fork merges them into one
 FORK_CAPACITY = 16
 
 
+# sources an indexed selection may read before it is copied into one buffer (each costs a gather per forward)
+MAX_SOURCES = 6
+
+
+class _Indexed(NamedTuple):
+    """A selection attended in place: for each head and selected slot, which source tensor and index hold the
+    pair (CPU only). The sources are frozen parts shared with other forks, or this set's own retired buffers.
+
+    sources: [(k, v)], each [Hkv, n_s, d]; src, idx: [Hkv, M] int64 numpy (source of each slot, index within it);
+    pos: [Hkv, M] int64 CPU positions; plan: per source (s, heads, src_index, dst_slot) index tensors.
+    """
+
+    sources: list
+    src: np.ndarray
+    idx: np.ndarray
+    pos: torch.Tensor
+    plan: list
+
+
 class _Part(NamedTuple):
     """One frozen, read-only run of resident pairs of a layer, shared by every fork that holds it.
 
@@ -112,6 +131,7 @@ class ResidentActiveSet:
         self.pending: list[torch.Tensor | None] = [None] * L    # next selection [Hkv, M], CPU
         self.moved_pairs = 0
         self.parts: list[list[_Part]] = [[] for _ in range(L)]
+        self.indexed: list[_Indexed | None] = [None] * L   # CPU: a fork's selection read in place (no parts then)
         self.room = GROW_MIN   # least positions own buffers gain (FORK_CAPACITY once forked)
         self._bytes: int | None = None   # device_bytes, recounted only after a buffer changed
         self._sel_dev: list[torch.Tensor | None] = [None] * L   # CUDA: the pending selection, on the device
@@ -186,17 +206,21 @@ class ResidentActiveSet:
             self._sel_ev[layer].synchronize()   # the selection's copy to the host, queued a forward ago
         sel = self.pending[layer].numpy()
         h, M = sel.shape
-        parts = self.parts[layer]
         n = self.n[layer]
-        total = n + sum(p.k.shape[1] for p in parts)
-        # own buffers are never shared (a fork freezes them into a part), so they may be rewritten in place
-        inplace = self.inplace and n > 0 and not parts and M <= self.k[layer].shape[1]
+        old = self._positions(layer).numpy()
+        total = old.shape[1]
         if total:
-            old = self._positions(layer).numpy()
             slot = np.stack([np.searchsorted(old[r], sel[r]) for r in range(h)]).clip(max=total - 1)
             hit = np.take_along_axis(old, slot, 1) == sel
         else:
             hit = np.zeros(sel.shape, dtype=bool)
+        if self._index_in_place(layer, sel, slot if total else None, hit):
+            return
+        if self.indexed[layer] is not None:   # read by the gathers below as an ordinary part
+            self._materialize(layer)
+        parts = self.parts[layer]
+        # own buffers are never shared (a fork freezes them into a part), so they may be rewritten in place
+        inplace = self.inplace and n > 0 and not parts and M <= self.k[layer].shape[1]
         if inplace:
             k, v, cap = self.k[layer], self.v[layer], self.k[layer].shape[1]
             mh, mc = np.nonzero(hit & (slot != np.arange(M)[None, :]))   # resident, but in another slot
@@ -255,10 +279,87 @@ class ResidentActiveSet:
                 v[heads, dst] = sv[heads, src]
             start += m
 
+    def _index_in_place(self, layer: int, sel: np.ndarray, slot: np.ndarray | None, hit: np.ndarray) -> bool:
+        """CPU, a set that reads shared parts (or already an indexed selection): take a selection whose pairs
+        are all resident as an index into where they are, copying no K/V (the R-KV/SnapKV/H2O compression of a
+        rescue candidate would otherwise duplicate the committed pairs it keeps). The own used positions
+        retire into a source; new tokens go to fresh own buffers. Returns False where it does not apply (CUDA,
+        nothing shared, pairs to bring from the host store, or more than ``MAX_SOURCES`` sources): the caller
+        then gathers into fresh buffers."""
+        ix, parts, n = self.indexed[layer], self.parts[layer], self.n[layer]
+        if self.cuda or slot is None or not (parts or ix is not None) or not hit.all():
+            return False
+        h = sel.shape[0]
+        sources, src_of, idx_of = (list(ix.sources), [ix.src], [ix.idx]) if ix is not None else ([], [], [])
+        # the own used positions retire at their size (a copy of this fork's own tokens: its buffers' spare room
+        # would otherwise stay held for as long as a slot reads them)
+        own = [(self.k[layer][:, :n].clone(), self.v[layer][:, :n].clone())] if n else []
+        for k, v in [(p.k, p.v) for p in parts] + own:
+            m = k.shape[1]
+            src_of.append(np.full((h, m), len(sources), dtype=np.int64))
+            idx_of.append(np.broadcast_to(np.arange(m, dtype=np.int64), (h, m)))
+            sources.append((k, v))
+        src = np.take_along_axis(np.concatenate(src_of, axis=1), slot, 1)
+        idx = np.take_along_axis(np.concatenate(idx_of, axis=1), slot, 1)
+        used = np.unique(src)
+        if used.size > MAX_SOURCES:
+            return False
+        remap = np.zeros(len(sources), dtype=np.int64)
+        remap[used] = np.arange(used.size)
+        src = remap[src]
+        sources = [sources[u] for u in used]   # sources no slot reads are let go
+        plan = []
+        for s in range(len(sources)):
+            hh, cc = np.nonzero(src == s)
+            plan.append((s, self._index(hh), self._index(idx[hh, cc]), self._index(cc)))
+        self.indexed[layer] = _Indexed(sources, src, idx, torch.from_numpy(sel.copy()), plan)
+        self.parts[layer] = []
+        self.k[layer] = self.v[layer] = self.pos_host[layer] = self.pos_dev[layer] = None
+        self.n[layer] = 0
+        self._bytes = None
+        return True
+
+    def _gathered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexed selection's K and V, [Hkv, M, d] each, gathered from its sources into fresh tensors."""
+        ix = self.indexed[layer]
+        M = ix.src.shape[1]
+        k = torch.empty(self.h, M, self.d, device=self.device, dtype=self.dtype)
+        v = torch.empty_like(k)
+        for s, heads, src, dst in ix.plan:
+            sk, sv = ix.sources[s]
+            k[heads, dst] = sk[heads, src]
+            v[heads, dst] = sv[heads, src]
+        return k, v
+
+    def _materialize(self, layer: int) -> None:
+        """Copy the indexed selection into one buffer, held as this layer's only part (its sources let go)."""
+        ix = self.indexed[layer]
+        k, v = self._gathered(layer)
+        self.parts[layer] = [_Part(k, v, ix.pos, ix.pos)]
+        self.indexed[layer] = None
+        self._bytes = None
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V resident for ``layer`` now, [Hkv, N, d] each in position order (a fresh concatenation)."""
+        ks, vs = [p.k for p in self.parts[layer]], [p.v for p in self.parts[layer]]
+        if self.indexed[layer] is not None:
+            k, v = self._gathered(layer)
+            ks.append(k)
+            vs.append(v)
+        if self.n[layer]:
+            ks.append(self.k[layer][:, :self.n[layer]])
+            vs.append(self.v[layer][:, :self.n[layer]])
+        if not ks:
+            empty = torch.empty(self.h, 0, self.d, device=self.device, dtype=self.dtype)
+            return empty, empty
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
     def _positions(self, layer: int) -> torch.Tensor:
         """[Hkv, N] positions resident in ``layer`` (CPU): the parts' then the own used ones (a view
         when there is a single source, else a fresh concatenation)."""
         pos = [p.pos_host for p in self.parts[layer]]
+        if self.indexed[layer] is not None:
+            pos.append(self.indexed[layer].pos)
         if self.n[layer]:
             pos.append(self.pos_host[layer][:, :self.n[layer]])
         if not pos:
@@ -309,6 +410,9 @@ class ResidentActiveSet:
         self.prefetch(layer + 1)
         m = n + T
         own = (self.k[layer][:, :m], self.v[layer][:, :m], self.pos_dev[layer][:, :m])
+        if self.indexed[layer] is not None:   # gathered for this forward only: one layer's selection at a time
+            k, v = self._gathered(layer)
+            return [(k, v, self.indexed[layer].pos), own]
         return [*((p.k, p.v, p.pos_dev) for p in self.parts[layer]), own]
 
     def attend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, pos_new: torch.Tensor
@@ -361,12 +465,18 @@ class ResidentActiveSet:
             for p in self.parts[layer]:
                 yield p.k
                 yield p.v
+            if self.indexed[layer] is not None:
+                for k, v in self.indexed[layer].sources:
+                    yield k
+                    yield v
             for t in (self.k[layer], self.v[layer]):
                 if t is not None:
                     yield t
 
     def _freeze(self, layer: int) -> None:
         """Turn ``layer``'s own used positions into one more frozen part (all parts merged past MAX_PARTS)."""
+        if self.indexed[layer] is not None:   # both sides then read one compact copy of the selection
+            self._materialize(layer)
         n = self.n[layer]
         parts = self.parts[layer]
         if n:

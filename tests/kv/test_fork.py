@@ -256,9 +256,8 @@ def test_in_place_apply_equals_fresh_buffers_and_spares_shared_ones():
 
 
 def resident_k(act: ResidentActiveSet) -> torch.Tensor:
-    """Layer 0's resident keys [Hkv, N, d]: the frozen parts', then the own used ones."""
-    own = [] if act.k[0] is None else [act.k[0][:, :act.n[0]]]
-    return torch.cat([p.k for p in act.parts[0]] + own, dim=1)
+    """Layer 0's resident keys [Hkv, N, d]: the frozen parts', an indexed selection's, then the own used ones."""
+    return act.kv(0)[0]
 
 
 @pytest.mark.parametrize("name", ["full-device", "rkv", "zoomr"])

@@ -20,7 +20,7 @@ from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.kvstore.snapkv import SnapKVPolicy
 from zoomr.kvstore.stats import distinct_kv_bytes
 from zoomr.kvstore.zoomr import ZoomRPolicy
-from policy_drive import L
+from policy_drive import HKV, D, L
 from test_fork import POLICIES, feed, forwards, fresh, make, same
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -162,3 +162,27 @@ def test_a_policy_reading_only_the_count_gets_no_concatenation():
     feed(child, forwards(5, 1))
     assert seen and all(n == 2 for n, _, _ in seen)
     assert all(lazy for _, lazy, idle in seen if idle)
+
+
+@pytest.mark.parametrize("name", ["rkv", "snapkv", "h2o"])
+def test_a_compressing_fork_keeps_reading_the_shared_pairs_in_place(name):
+    """A compression inside a fork whose kept pairs are all resident copies none of them: the fork indexes the
+    shared part and its own retired buffer (``ResidentActiveSet.indexed``), so everything held beyond the parent
+    is the fork's own new tokens, while it reads exactly what an unforked cache reads."""
+    prefix, b = forwards(1, 20, first_T=6), forwards(3, 12)
+    parent = make(name)
+    feed(parent, prefix)
+    alone = distinct_kv_bytes([parent])["device"]
+    child = parent.fork()
+    got = feed(child, b)
+    assert same(got, fresh(name, prefix, b))
+    assert all(child.active.indexed[layer] is not None for layer in range(L))   # it compressed in place
+    extra = distinct_kv_bytes([parent, child])["device"] - alone
+    per_position = 2 * L * HKV * D * 4   # fp32 K and V of one position, every layer
+    # its own tokens (retired at their size) and the room of the own buffer it appends to now
+    assert extra <= (len(b) + FORK_CAPACITY) * per_position, (extra, (len(b) + FORK_CAPACITY) * per_position)
+    # forking it again gives both sides one compact copy of the selection, read like an unforked cache
+    grand = child.fork()
+    assert all(child.active.indexed[layer] is None and grand.active.parts[layer] for layer in range(L))
+    c = forwards(4, 5)
+    assert same(feed(grand, c), fresh(name, prefix, b, c))
