@@ -95,7 +95,14 @@ class ResidentActiveSet:
     each side's appends go to own buffers starting at ``FORK_CAPACITY`` positions, so a family of forks
     that all decode holds the committed active set once (as :class:`zoomr.kvstore.base.FullKVCache`).
     A new selection gathers its pairs from parts and own buffers into fresh own buffers and drops the
-    parts (they stay valid for the other forks). Own buffers grow by a quarter, at least ``room``
+    parts (they stay valid for the other forks), except on a CPU when every selected pair is resident: the
+    set then keeps an *indexed* selection (:class:`_Indexed`): per head and slot, which shared part or
+    retired own buffer holds the pair; no K/V is copied, and attention gathers one layer's selection
+    ([Hkv, M, d], freed after that layer) per forward. An R-KV/SnapKV/H2O candidate of KV-Rescue thereby holds
+    only its own tokens beyond the committed state (benchmarks/rescue_batch.py: peak KV of a step ≤ 1.09× the
+    committed states plus the candidates' own tokens, 1.27× when the kept pairs were copied). A fork of an
+    indexed set copies the selection once into a part both sides share; past ``MAX_SOURCES`` sources, or with
+    pairs to bring from the host store (SumR/ZoomR), the selection is gathered into own buffers as before. Own buffers grow by a quarter, at least ``room``
     positions: ``GROW_MIN``, or ``FORK_CAPACITY`` once the set forked (a candidate decoding a few dozen
     tokens, compressed or not, then reserves about what it writes).
 
