@@ -95,9 +95,8 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     max_context = plan.config.max_context
     base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
     base_ids = fit_prompt(base.tokenizer, problem, base_system, max_context)
-    if plan.prm is None:  # the fallback reads the helper's likelihoods: nothing to load
+    if plan.prm is None:  # the fallback reads the helper's likelihoods: nothing to load (the view names it)
         scorer = build_scorer(None)
-        out.info(f"scorer: {scorer.name}")
     else:
         with out.status("loading scorer…"):
             scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)

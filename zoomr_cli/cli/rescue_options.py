@@ -28,7 +28,8 @@ _DECLS = {
     "helper": (Optional[str], _opt("--helper", help="Helper model, full KV (default: the embedded model).")),
     "prm": (Optional[str], _opt("--prm", help="Process reward model (HF dir or hub id, Qwen2.5-Math-PRM "
                                 "architecture). Default: helper mean log-likelihood.")),
-    "nb": (Optional[int], _opt("--nb", help="Base candidates per step (default 2).")),
+    "nb": (Optional[int], _opt("--nb", help="Base candidates per step (default 2); 0 runs the helper alone "
+                               "(--nb and --nh may not both be 0).")),
     "nh": (Optional[int], _opt("--nh", help="Helper candidates per step (default 2). --nh 0 --no-detector is the "
                                "paper's eviction-only best-of-N baseline.")),
     "step_tokens": (Optional[int], _opt("--step-tokens", help="Most tokens per step (default 512).")),
