@@ -69,9 +69,11 @@ def main() -> None:
 
     import zoomr
     from zoomr.backends.models import resolve_model
-    from zoomr.evaluation.parity import agreement, gsm8k_text_ids, llamacpp_logits
     from zoomr.backends.tokenizer import LlamaCppTokenizer
     from zoomr.evaluation.datasets import records
+    from zoomr.evaluation.parity import agreement, gsm8k_text_ids, llamacpp_logits
+    from zoomr.factory import with_policy
+    from zoomr.options import RunOptions
 
     rows = [tuple(r.split(":")) for r in a.rows.split(",")]
     if any(len(r) != 2 for r in rows):
@@ -92,31 +94,29 @@ def main() -> None:
         problems.append((prompt, answer))
     reference_sel = None
     for dtype, quant in rows:
-        be = zoomr.load(a.model, dtype=dtype, quant=quant, threads=a.threads, ctx_size=len(ids) + 1024,
+        be = zoomr.load(a.model, dtype=dtype, quant=quant, threads=a.threads, ctx_size=max(len(ids) + 8, 4096),
                         device="cpu")
         pre, dec = logits_both_ways(be, ids)
         row = {"dtype": dtype, "quant": quant, "model": be.describe_model(),
                **{way: dict(zip(("top1", "kl"), (round(x, 5) for x in agreement(got, ref))))
                   for way, got in (("prefill", pre), ("decode", dec))}}
-        if problems:
-            zb = zoomr.load(a.model, policy="zoomr", dtype=dtype, quant=quant, threads=a.threads,
-                            ctx_size=4096, device="cpu")
-            sel = zoomr_selections(zb, problems)
+        zoomr_line = ""
+        if problems:   # the same weights under ZoomR (a view: nothing reloaded)
+            sel = zoomr_selections(with_policy(be, RunOptions(policy="zoomr", ctx_size=be.n_ctx)), problems)
             n = sum(len(s) for s in sel)
             if reference_sel is None:
                 reference_sel = sel
                 row["zoomr"] = {"recomputes": n}
+                zoomr_line = f" · zoomr {n} recomputes (reference)"
             else:
                 same = sum(x == y for s, r in zip(sel, reference_sel) for x, y in zip(s, r))
-                total = max(n, sum(len(r) for r in reference_sel))
-                row["zoomr"] = {"recomputes": n, "same_as_reference": same, "share": round(same / max(total, 1), 4)}
+                total = max(n, sum(len(r) for r in reference_sel), 1)
+                row["zoomr"] = {"recomputes": n, "same_as_reference": same, "share": round(same / total, 4)}
+                zoomr_line = f" · zoomr {same}/{total} recomputes as the reference"
         record["rows"].append(row)
-        z = row.get("zoomr", {})
         print(f"{dtype}:{quant:<5} prefill top-1 {row['prefill']['top1']:.4f} KL {row['prefill']['kl']:.5f} · decode "
-              f"top-1 {row['decode']['top1']:.4f} KL {row['decode']['kl']:.5f}"
-              + (f" · zoomr {z['same_as_reference']}/{max(z['recomputes'], 1)} recomputes as the reference"
-                 if "share" in z else f" · zoomr {z['recomputes']} recomputes (reference)" if z else "")
-              + f"  [{row['model']}]", file=log, flush=True)
+              f"top-1 {row['decode']['top1']:.4f} KL {row['decode']['kl']:.5f}{zoomr_line}  [{row['model']}]",
+              file=log, flush=True)
     if a.json:
         write_json(record, a.json)
 

@@ -102,9 +102,10 @@ class ResidentActiveSet:
     only its own tokens beyond the committed state (benchmarks/rescue_batch.py: peak KV of a step ≤ 1.09× the
     committed states plus the candidates' own tokens, 1.27× when the kept pairs were copied). A fork of an
     indexed set copies the selection once into a part both sides share; past ``MAX_SOURCES`` sources, or with
-    pairs to bring from the host store (SumR/ZoomR), the selection is gathered into own buffers as before. Own buffers grow by a quarter, at least ``room``
-    positions: ``GROW_MIN``, or ``FORK_CAPACITY`` once the set forked (a candidate decoding a few dozen
-    tokens, compressed or not, then reserves about what it writes).
+    pairs to bring from the host store (SumR/ZoomR), the selection is gathered into own buffers as before.
+    Own buffers grow by a quarter, at least ``room`` positions: ``GROW_MIN``, or ``FORK_CAPACITY`` once the
+    set forked (a candidate decoding a few dozen tokens, compressed or not, then reserves about what it
+    writes).
 
     Attributes:
         moved_pairs: (KV head, position) pairs copied host → device by selections so far.
@@ -346,20 +347,19 @@ class ResidentActiveSet:
         self.indexed[layer] = None
         self._bytes = None
 
-    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V resident for ``layer`` now, [Hkv, N, d] each in position order (a fresh concatenation)."""
-        ks, vs = [p.k for p in self.parts[layer]], [p.v for p in self.parts[layer]]
+    def kv(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """(K, V) resident for ``layer`` now, [Hkv, N, d] each in position order, N as :meth:`positions`: the
+        frozen parts, an indexed selection (gathered), the own used positions (:func:`join_parts`: views when
+        there is one source, else fresh tensors); empty [Hkv, 0, d] tensors when nothing is resident."""
+        parts = [(p.k, p.v) for p in self.parts[layer]]
         if self.indexed[layer] is not None:
-            k, v = self._gathered(layer)
-            ks.append(k)
-            vs.append(v)
+            parts.append(self._gathered(layer))
         if self.n[layer]:
-            ks.append(self.k[layer][:, :self.n[layer]])
-            vs.append(self.v[layer][:, :self.n[layer]])
-        if not ks:
+            parts.append((self.k[layer][:, :self.n[layer]], self.v[layer][:, :self.n[layer]]))
+        if not parts:
             empty = torch.empty(self.h, 0, self.d, device=self.device, dtype=self.dtype)
             return empty, empty
-        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        return join_parts(parts)
 
     def _positions(self, layer: int) -> torch.Tensor:
         """[Hkv, N] positions resident in ``layer`` (CPU): the parts' then the own used ones (a view

@@ -1,13 +1,16 @@
 """An LM head whose most likely logits are exact while the vocabulary-wide matmul stays quantized.
 
-A bf16-activation int4 kernel rounds every weight it reads to bf16 (8 significant bits) and its output logits
-to bf16 as well: a logit of 20 is then known to ±0.06. That is what costs the quantized CPU path its agreement
-with llama.cpp at the head (measured on SmolLM2-135M over 512 teacher-forced tokens: mean KL 0.0035 nats with
-the head's bf16 logits, 0.0030 with an fp32 head over the same int4 body). Decoding only looks at the top of
-the distribution (greedy, top-k, top-p), so :class:`ExactTopHead` runs the quantized head over the whole
-vocabulary, then recomputes the ``k`` largest logits of every row in fp32 from the file's own rows (exact
-``code · scale + zero`` values, ggml's dequantization): those ``k`` are the fp32 head's logits, the tail keeps
-the kernel's rounding. Its cost is one top-k and a [k, hidden] gather per row (tens of µs a token).
+torch's int4/int8 weight-only kernels in bf16 take their scales in bf16 and return bf16 outputs, so every
+logit is rounded to 8 significant bits: a logit of 20 is then known to ±0.06. That is what costs the quantized
+CPU path agreement with llama.cpp at the head (SmolLM2-135M, 512 teacher-forced tokens, with the SwiGLU product
+in bf16: mean KL 0.0035 nats with the kernel's logits, 0.0030 with an fp32 head over the same int4 body).
+Decoding only looks at the top of the distribution (greedy, top-k, top-p), so :class:`ExactTopHead` runs the
+quantized head over the whole vocabulary, then recomputes the ``k`` largest logits of every row in fp32 from the
+file's own rows (exact ``code · scale + zero`` values, ggml's ``dequantize_row_q8_0`` / ``_q4_*``): those ``k``
+are the fp32 head's logits, the tail keeps the kernel's rounding. Its cost per row is one top-k over the
+vocabulary and a [k, hidden] gather and product, small beside the vocabulary-wide matmul.
+
+Source: zoomr's own (no paper); the block layouts are ggml's (see :mod:`.quant`).
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ class ExactTopHead:
         ValueError: ``k`` < 1.
     """
 
-    takes_fp32 = True  # the decoder hands it the fp32 normalized hidden state, not the compute-dtype copy
-
     def __init__(self, fast: Linear, table: QuantEmbedding, k: int, dtype: torch.dtype, shares_table: bool):
         if k < 1:
             raise ValueError(f"exact head logits: k must be at least 1, not {k}")
@@ -46,7 +47,8 @@ class ExactTopHead:
         self.kind = f"{fast.kind}, top-{k} exact"
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, hidden] float32 → [T, vocab] float32 logits; per row the ``k`` largest are fp32-exact."""
+        """h [T, hidden] float32 (the final-norm hidden states, not rounded to the compute dtype) → [T, vocab]
+        float32 logits; per row the ``k`` largest (by the quantized head) are exact in fp32."""
         logits = self.fast(h.to(self.dtype)).float()
         k = min(self.k, logits.shape[-1])
         for a in range(0, h.shape[0], _CHUNK):

@@ -276,7 +276,7 @@ class Decoder:
             x = x + L.down((F.silu(gate) * up).to(self.dtype))
         if not all_logits:
             x = x[[b - 1 for _, b in bounds]] if len(bounds) > 1 else x[-1:]
-        if getattr(self.lm_head, "takes_fp32", False) and not return_hidden:
+        if isinstance(self.lm_head, ExactTopHead) and not return_hidden:   # it re-scores from the fp32 states
             return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_eps))
         h = self._rms(x, self.norm)
         return (h if return_hidden else self.lm_head(h)).float()

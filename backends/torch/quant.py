@@ -23,26 +23,15 @@ a float copy, and turned into torch's packed-weight kernels:
 
 Exactness: the codes are exact; the kernels take scale and zero in the activation dtype, so in bf16 each is
 rounded to 8 significant bits (relative error ≤ 2⁻⁹, as a bf16 weight would be), and they return their output
-in it (bf16: the same rounding of every output); in fp32 they are exact but 10–35× slower. Where that output
-rounding costs agreement with llama.cpp the decoder works around it: :mod:`.head` for the logits, an fp32
-SwiGLU product in :mod:`.model`.
+in it (bf16: the same rounding of every output); in fp32 they are exact but an order of magnitude slower.
+Where that output rounding costs agreement with llama.cpp the decoder works around it: :mod:`.head` for the
+logits, an fp32 SwiGLU product in :mod:`.model`.
 
-GEMV time per token, batch 1, SmolLM2-135M shapes (30 layers + the 49152×576 head), torch 2.13, 2 threads:
-
-============  ===========  ==============
-kernel        AVX2 CPU     AVX512-BF16 CPU
-============  ===========  ==============
-int4 bf16     16 ms        5.3 ms
-int8 bf16     20 ms        7.1 ms
-fp16w         —            7.3–8.5 ms
-dense fp32    61 ms        22–28 ms
-dense bf16    96 ms        14–16 ms
-dense fp16    62 ms        10.5–12.5 ms
-============  ===========  ==============
-
-The int kernels in fp32 or fp16 are 10–35× slower than in bf16 on both. torchao 0.18's int4 CPU layout calls
-the same aten op, its int8 weight-only layout ran 2× slower than ``_weight_int8pack_mm`` on the AVX2 CPU, and
-its PyPI wheel carries no CPU kernels of its own (the AVX512 ``da8w4`` op is absent).
+Kernel choice: the int4 bf16 kernel is the fastest of these per decode token on both CPUs measured (AVX2 and
+AVX512-BF16; ``benchmarks/backend_speed.py`` rows, README "Quantized weights"), and the int kernels in fp32 or
+fp16 are an order of magnitude slower than in bf16. torchao 0.18's int4 CPU layout calls the same aten op, its
+int8 weight-only layout was slower than ``_weight_int8pack_mm``, and its PyPI wheel carries no CPU kernels of
+its own (the AVX512 ``da8w4`` op is absent).
 """
 
 from __future__ import annotations

@@ -185,10 +185,10 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
         named[to_hf[t.name]] = t
     check_shapes(cfg, {n: t.shape for n, t in named.items()}, str(path), file_names={hf: g for g, hf in to_hf.items()})
     for qtype in {t.ggml_type for t in named.values()}:
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
         try:  # one zero block: gguf's signal for a type it cannot dequantize, before any real allocation
             gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
-        except NotImplementedError:
+        except NotImplementedError:  # gguf's own answer for such a type (e.g. IQ-quants): refused by name here
             first = next(t.name for t in named.values() if t.ggml_type == qtype)
             raise ModelLoadError(f"{path}: tensor {first} has unsupported type {qtype.name}") from None
     data = np.memmap(path, dtype=np.uint8, mode="r")
