@@ -30,7 +30,8 @@ class SamplingParams:
         seed: RNG seed; the same seed and logits give the same tokens.
 
     Raises:
-        ValueError: from :meth:`validate` on a negative temperature or top-k, or top-p outside (0, 1].
+        ValueError: from :meth:`validate` on a negative or infinite temperature, a negative top-k or seed, or
+            top-p outside (0, 1].
     """
 
     temperature: float = 0.0
@@ -41,11 +42,13 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Return self, or raise ValueError naming the first invalid value."""
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"--temp must be >= 0, got {self.temperature}")
+            raise ValueError(f"--temp must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed < 0:   # numpy's generators take none; refused here, before any model loads
+            raise ValueError(f"-s/--seed must be >= 0, got {self.seed}")
         return self
 
 

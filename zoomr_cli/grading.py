@@ -197,8 +197,9 @@ def _expression_after(text: str, i: int) -> tuple[str, bool] | None:
     """The one expression right after an "answer is" anchor ending at ``text[i]``, and whether it is whole.
 
     ``$...$``, ``$$...$$``, ``\\(...\\)`` and ``\\[...\\]`` give their content, whole once closed; ``$`` or
-    ``\\$`` before a digit is a currency sign; otherwise :func:`_plain_expression`, whole when text follows
-    it (one at the very end may have been cut). Markdown emphasis (``**72**``) is skipped.
+    ``\\$`` before a digit is a currency sign; otherwise :func:`_plain_expression`, whole when text other than
+    dangling operators follows it (one at the very end, or ending on ``+``, may have been cut). Markdown
+    emphasis (``**72**``) is skipped.
     """
     while i < len(text) and text[i] in " \t*_":
         i += 1
@@ -217,7 +218,9 @@ def _expression_after(text: str, i: int) -> tuple[str, bool] | None:
     found = _plain_expression(text, i)
     if found is None:
         return None
-    return found[0], bool(text[found[1]:].strip())
+    # whole once real text follows; an operator it ended on at the very end ("3+") means it was cut
+    rest = text[found[1]:]
+    return found[0], any(not (c.isspace() or c in _TRAILING) for c in rest)
 
 
 def _answer_is(text: str, truncated: bool) -> str | None:

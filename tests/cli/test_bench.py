@@ -244,6 +244,8 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["-n", "0"], "-n 0"),
     (None, ["-n", "-5"], "-n -5"),
     (None, ["--policies", ","], "at least one"),
+    (None, ["--policies", "full,,rkv"], "an empty name between commas"),
+    (None, ["--policies", "full,rkv,full"], "full given more than once"),
     (None, ["--backend", "llamacpp"], "torch"),
     (None, ["--rescue", "--base-policy", "full"], "must evict"),
     (None, ["--base-policy", "rkv"], "--base-policy needs --rescue"),

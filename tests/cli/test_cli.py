@@ -50,6 +50,8 @@ def test_solve_from_stdin_prompt_too_long_for_ctx():
     ("dir", ["examples/problem.txt", "-m", "{p}"], "config.json"),
     (None, ["examples/problem.txt", "--top-p", "2"], "top-p"),
     (None, ["examples/problem.txt", "--temp", "-1"], "temp"),
+    (None, ["examples/problem.txt", "--temp", "1e309"], "--temp must be a finite number"),
+    (None, ["examples/problem.txt", "-s", "-1"], "-s/--seed must be >= 0"),   # before the model loads
     (None, ["examples/problem.txt", "--backend", "vllm"], "backend"),
     (None, ["examples/problem.txt", "--json", "/nonexistent/dir/x.json"], "does not exist"),
     (None, ["-p", "   "], "empty"),

@@ -96,6 +96,22 @@ def test_ctrl_c_writes_what_was_committed(tmp_path, stop):
     assert "interrupted" in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.slow
+def test_a_run_cut_by_max_steps_takes_no_answer_from_a_cut_expression():
+    """A rescue run that stops anywhere but EOS may have cut its last answer (here, seed 0: the one 8-token step
+    ends "The answer is 3+"): its answer is read as a truncated solve's is, never "3"."""
+    from zoomr.grading import extract_answer
+
+    r = zoomr("solve", "-p", "What is 3+4?", "--rescue", "--nb", "1", "--nh", "1", "--max-steps", "1",
+              "--step-tokens", "8", "-t", "1", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    text = "".join(st["text"] for st in rec["steps"])
+    assert rec["stop_reason"] == "max_steps"
+    assert extract_answer(text) is not None   # read as a whole text, its tail looks like an answer
+    assert rec["answer"] is None and extract_answer(text, truncated=True) is None, (text, rec["answer"])
+
+
 def test_bad_input_is_one_line_exit_2():
     r = zoomr("solve", "-p", PROBLEM, "--rescue", "--nb", "0", "--nh", "0")
     assert_one_line_error(r)

@@ -112,7 +112,10 @@ def test_fallback_expression_grades_as_the_number(text, right, wrong):
 @pytest.mark.parametrize("text,whole", [("The answer is 24", False), ("The answer is 24.", True),
                                         ("The answer is 24, so", True),
                                         (r"the answer is $\frac{1}{2}$", True),
-                                        ("The answer is 12. Wait, so the answer is", False)])
+                                        ("The answer is 12. Wait, so the answer is", False),
+                                        # cut on an operator: "3+" was going on to "3+4", not an answer of 3
+                                        ("The answer is 3+", False), ("The answer is 3 +\n", False),
+                                        ("The answer is 3 + 4 = 7.", True)])
 def test_truncated_generation_rejects_an_expression_at_the_end(text, whole):
     assert (extract_answer(text, truncated=True) is not None) == whole
 

@@ -142,10 +142,16 @@ def bench(
         _print_datasets(no_live)
         return 0
     names = policy_names()
-    chosen = [p.strip() for p in policies.split(",") if p.strip()]
+    items = [p.strip() for p in policies.split(",")]
+    chosen = [p for p in items if p]
     bad = [p for p in chosen if p not in names]
     if not chosen:
         raise UserError(f"--policies: give at least one of {', '.join(names)}")
+    if len(chosen) != len(items):
+        raise UserError(f"--policies {policies!r}: an empty name between commas")
+    twice = sorted({p for p in chosen if chosen.count(p) > 1})
+    if twice:
+        raise UserError(f"--policies: {', '.join(twice)} given more than once (each policy runs once per budget)")
     if bad:
         raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
     if opts.backend != "torch":

@@ -201,7 +201,8 @@ class RescueLoop:
                     break
         except KeyboardInterrupt:
             reason = "interrupted"
-        self.events.emit(RunFinished(extract_answer(self.text), reason, len(self.steps),
+        # only a run that ended at EOS ended its text: any other stop may have cut the last answer mid-number
+        self.events.emit(RunFinished(extract_answer(self.text, truncated=reason != "eos"), reason, len(self.steps),
                                      round(time.perf_counter() - t0, 3)))
         return reason
 
