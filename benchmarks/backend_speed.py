@@ -50,7 +50,11 @@ class TorchRow:
         self.info = {"engine": f"torch {row}", "weight_MiB": be.model.weight_bytes() / 2**20,
                      "dtype": str(be.dtype).replace("torch.", ""), "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
                      "weights": be.model.weight_summary()}
-        be.prefill(be.new_sequence(), [1] * 16)  # warm-up: allocator, kernels
+        warm = be.new_sequence()   # warm-up: allocator, prefill and decode kernels
+        be.prefill(warm, [1] * 16)
+        for _ in range(4):
+            be.decode(warm, 1)
+        be.free(warm)
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
         """(prefill tok/s, decode tok/s) of one fresh sequence."""
@@ -76,6 +80,8 @@ class LlamaCppRow:
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                                    n_threads_batch=threads, verbose=False)
         self.llm.eval([1] * 16)
+        for _ in range(4):
+            self.llm.eval([1])
         self.info = {"engine": "llama.cpp", "weight_MiB": os.path.getsize(path) / 2**20}
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
