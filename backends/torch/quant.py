@@ -19,7 +19,7 @@ a float copy, and turned into torch's packed-weight kernels:
   int4 kernel in bf16, prefilled ~2× faster, kept the fp32 path's agreement with llama.cpp, and its cost grows
   least with the batch (``benchmarks/backend_speed.py`` row ``fp16w``, ``batch_throughput.py --quant fp16``).
 - :class:`DenseLinear`: ``F.linear`` on a compute-dtype weight (``--quant none``, and file types the kernels
-  cannot hold, such as F16 or Q6_K).
+  cannot hold, such as F16 or Q6_K); in fp32 on a CPU, oneDNN on a packed copy (:mod:`.onednn`).
 
 Exactness: the codes are exact; the kernels take scale and zero in the activation dtype, so in bf16 each is
 rounded to 8 significant bits (relative error ≤ 2⁻⁹, as a bf16 weight would be), and they return their output
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import onednn
 
 GROUP = 32  # GGUF's block of Q4_0/Q4_1/Q8_0; also the group the int4 kernel runs at load-time quantization
 QUANT_MODES = ("auto", "none", "int8", "int4", "fp16")
@@ -179,7 +181,9 @@ def _padded_rows(n: int, align: int) -> int:
 
 
 class DenseLinear:
-    """``F.linear`` on a weight held in the compute dtype.
+    """A linear on a weight held in the compute dtype: ``F.linear``, or in fp32 on a CPU oneDNN's inner
+    product on a weight packed once (:mod:`.onednn`; its GEMM grows far less with the row count than the
+    BLAS one on the CPUs measured, which is what batched decoding needs).
 
     Args:
         w: [N, K] float weight (any numpy float dtype); b: [N] bias or None.
@@ -187,30 +191,38 @@ class DenseLinear:
     """
 
     def __init__(self, w: np.ndarray, b: np.ndarray | None, device: torch.device, dtype: torch.dtype):
-        self.w = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype)
-        self.b = None if b is None else torch.from_numpy(np.ascontiguousarray(b)).to(device, dtype)
-        # CPUs without bf16/fp16 arithmetic run those GEMMs several times slower than fp32, while a one-row
-        # decode GEMV is memory-bound and gains from the half-size weight: upcast only many-row (prefill) GEMMs
-        self._upcast = device.type == "cpu" and dtype != torch.float32
-        self.kind = f"dense {str(dtype).replace('torch.', '')}"
+        self._setup(torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype),
+                    None if b is None else torch.from_numpy(np.ascontiguousarray(b)).to(device, dtype), shared=False)
 
     @classmethod
     def sharing(cls, w: torch.Tensor) -> "DenseLinear":
-        """A bias-free linear over the tensor ``w`` [N, K] itself (a tied LM head shares the embedding table)."""
+        """A bias-free linear over the tensor ``w`` [N, K] itself (a tied LM head shares the embedding table;
+        where the fp32 weight is packed for oneDNN, the packed copy is held besides it)."""
         self = cls.__new__(cls)
-        self.w, self.b = w, None
-        self._upcast = w.device.type == "cpu" and w.dtype != torch.float32
-        self.kind = f"dense {str(w.dtype).replace('torch.', '')}"
+        self._setup(w, None, shared=True)
         return self
+
+    def _setup(self, w: torch.Tensor, b: torch.Tensor | None, shared: bool) -> None:
+        self.w, self.b = w, b
+        # CPUs without bf16/fp16 arithmetic run those GEMMs several times slower than fp32, while a one-row
+        # decode GEMV is memory-bound and gains from the half-size weight: upcast only many-row (prefill) GEMMs
+        self._upcast = w.device.type == "cpu" and w.dtype != torch.float32
+        self._packed = onednn.pack(w)
+        if self._packed is not None and not shared:
+            self.w = None   # every call reads the packed copy: the plain one is not kept
+        self.kind = f"dense {str(w.dtype).replace('torch.', '')}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] → [T, N] in the compute dtype."""
+        if self._packed is not None:
+            return self._packed(x, self.b)
         if self._upcast and x.shape[0] > 8:
             return F.linear(x.float(), self.w.float(), None if self.b is None else self.b.float()).to(x.dtype)
         return F.linear(x, self.w, self.b)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.b) if t is not None)
+        held = [t.numel() * t.element_size() for t in (self.w, self.b) if t is not None]
+        return sum(held) + (self._packed.nbytes() if self._packed is not None else 0)
 
 
 class Int4Linear:
