@@ -1,10 +1,12 @@
 """Prefill and decode throughput of the torch backend (dense, int8, int4, fp16 weights) against llama-cpp-python.
 
-Same model file, same prompt, same thread count, greedy decoding. Every engine is loaded once, then
-``--rounds`` rounds run them one after the other (llama.cpp first), each round a fresh sequence: prefill
-the prompt, decode ``--decode-tokens``. A row's ratio to llama.cpp is taken within each round and the
-median over rounds is reported, so a machine whose speed drifts (a shared host) moves both sides of a
-ratio together; the per-round figures are kept in the JSON (``rounds``).
+Same model file, same prompt, same thread count, greedy decoding. Every engine is loaded once, then each of
+``--rounds`` rounds gives every engine (llama.cpp first) a fresh sequence: all prefill the prompt, then they
+decode ``--decode-tokens`` in turns of ``--block`` tokens (llama.cpp 16, torch int4 16, …, llama.cpp the next
+16, …). A row's ratio to llama.cpp is taken within each round and the median over rounds is reported; the
+short turns put every engine's tokens of a round in the same stretch of time, so a shared host whose speed
+drifts from one second to the next moves both sides of a ratio together. The per-round figures are kept
+in the JSON (``rounds``).
 
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
 (``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, and ``fp16w`` (``--quant fp16``:
@@ -15,7 +17,7 @@ fp16 weights in fbgemm's fp32-compute GEMM, x86 CPUs only). ``--json PATH`` writ
 bf16 attention at a long ``--prompt-tokens``.
 
     python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2]
-        [--rounds 3] [--rows int4,fp16w] [--json out.json]
+        [--rounds 3] [--block 16] [--rows int4,fp16w] [--json out.json]
 """
 
 from __future__ import annotations
@@ -56,18 +58,26 @@ class TorchRow:
             be.decode(warm, 1)
         be.free(warm)
 
-    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        """(prefill tok/s, decode tok/s) of one fresh sequence."""
+    def start(self, ids: list[int]) -> float:
+        """Prefill ``ids`` into a fresh sequence (the last one is freed); seconds."""
         be = self.be
-        seq = be.new_sequence()
+        if getattr(self, "seq", None) is not None:
+            be.free(self.seq)
+        self.seq = be.new_sequence()
         t = time.perf_counter()
-        logits = be.prefill(seq, ids)
-        prefill_s = time.perf_counter() - t
-        tok = int(np.argmax(logits))
+        logits = be.prefill(self.seq, ids)
+        seconds = time.perf_counter() - t
+        self.tok = int(np.argmax(logits))
+        return seconds
+
+    def step(self, n: int) -> float:
+        """Decode ``n`` greedy tokens on the current sequence; seconds."""
+        be, seq, tok = self.be, self.seq, self.tok
         t = time.perf_counter()
-        for _ in range(n_decode):
+        for _ in range(n):
             tok = int(np.argmax(be.decode(seq, tok)))
-        return len(ids) / prefill_s, n_decode / (time.perf_counter() - t)
+        self.tok = tok
+        return time.perf_counter() - t
 
 
 class LlamaCppRow:
@@ -84,22 +94,41 @@ class LlamaCppRow:
             self.llm.eval([1])
         self.info = {"engine": "llama.cpp", "weight_MiB": os.path.getsize(path) / 2**20}
 
-    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        llm, n_vocab = self.llm, self.llm.n_vocab()
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(ids)
-        prefill_s = time.perf_counter() - t
+    def _last_logits(self) -> np.ndarray:
+        return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))
 
-        def last_logits() -> np.ndarray:
-            return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-
-        tok = int(np.argmax(last_logits()))
+    def start(self, ids: list[int]) -> float:
+        """Clear the KV cache and prefill ``ids``; seconds."""
+        self.llm.reset()
         t = time.perf_counter()
-        for _ in range(n_decode):
-            llm.eval([tok])
-            tok = int(np.argmax(last_logits()))
-        return len(ids) / prefill_s, n_decode / (time.perf_counter() - t)
+        self.llm.eval(ids)
+        seconds = time.perf_counter() - t
+        self.tok = int(np.argmax(self._last_logits()))
+        return seconds
+
+    def step(self, n: int) -> float:
+        """Decode ``n`` greedy tokens; seconds."""
+        tok = self.tok
+        t = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([tok])
+            tok = int(np.argmax(self._last_logits()))
+        self.tok = tok
+        return time.perf_counter() - t
+
+
+def run_round(engines: list, ids: list[int], n_decode: int, block: int) -> list[tuple[float, float]]:
+    """One round: every engine prefills a fresh sequence, then they decode in turns of ``block`` tokens
+    until each has decoded ``n_decode``. Returns (prefill tok/s, decode tok/s) per engine."""
+    prefill_s = [e.start(ids) for e in engines]
+    decode_s = [0.0] * len(engines)
+    done = 0
+    while done < n_decode:
+        n = min(block, n_decode - done)
+        for i, e in enumerate(engines):
+            decode_s[i] += e.step(n)
+        done += n
+    return [(len(ids) / p, n_decode / d) for p, d in zip(prefill_s, decode_s)]
 
 
 def main() -> None:
@@ -109,6 +138,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; ratios are the median over them")
+    ap.add_argument("--block", type=int, default=16, help="decode tokens an engine runs before the next one takes "
+                    "its turn (--block ≥ --decode-tokens: each engine decodes its whole run at once)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"torch rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache / attention dtype of the torch rows (auto: fp32 on a "
@@ -125,17 +156,19 @@ def main() -> None:
             ap.error(f"--rows: {row!r} unknown (choose from {', '.join(ROWS)})")
     if a.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if a.block < 1:
+        ap.error("--block must be at least 1")
     src = resolve_model(a.model)
     ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
     n_ctx = len(ids) + a.decode_tokens + 8
     engines = [LlamaCppRow(src.path, n_ctx, a.threads)] + [
         TorchRow(src, row, n_ctx, a.threads, a.device, a.kv_dtype) for row in names]
-    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps, {a.threads} threads, {a.rounds} "
-          f"interleaved rounds (medians)", flush=True)
+    print(f"{len(ids)}-token prompt, {a.decode_tokens} greedy decode steps in turns of {a.block}, {a.threads} "
+          f"threads, {a.rounds} interleaved rounds (medians)", flush=True)
     per_round = [[] for _ in engines]  # [(prefill tok/s, decode tok/s)] per engine
     for r in range(a.rounds):
-        for e, out in zip(engines, per_round):
-            out.append(e.run(ids, a.decode_tokens))
+        for out, res in zip(per_round, run_round(engines, ids, a.decode_tokens, a.block)):
+            out.append(res)
         print(f"round {r + 1}: " + ", ".join(f"{e.info['engine']} {d:.1f}" for e, out in zip(engines, per_round)
                                              for _, d in out[-1:]) + " decode tok/s", flush=True)
     print(f"{'engine':<14}{'prefill tok/s':>15}{'×llama.cpp':>12}{'decode tok/s':>14}{'×llama.cpp':>12}"

@@ -290,3 +290,14 @@ def test_bench_bad_input_is_one_line_exit_2(tmp_path, case, args, needle):
     assert "Traceback" not in r.stderr
     # a refused run leaves no settings behind
     assert not (o / "config.json").exists() or case in ("bad_config", "config_list")
+
+
+@pytest.mark.slow
+def test_resume_into_a_folder_without_records_says_it_starts_anew(tmp_path):
+    out = tmp_path / "typo"
+    r = subprocess.run(zoomr_cmd() + ["bench", "--dataset", "gsm8k", "-n", "2", "--limit", "1", "--policies", "full",
+                                      "--no-live", "--resume", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"warning: --resume: {out} holds no bench records yet; starting a new run there" in r.stderr
+    assert len((out / "records.jsonl").read_text().splitlines()) == 1

@@ -16,3 +16,19 @@ def test_piped_chat_writes_only_answers_on_stdout():
     assert "stats:" not in r.stdout
     assert "stats: prefill" in r.stderr and "conversation: turns 1" in r.stderr
     assert "unknown command /bogus" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
+    import subprocess
+
+    from conftest import ENV, ROOT, zoomr_cmd
+
+    r = subprocess.run(zoomr_cmd() + ["chat", "--no-live", "-n", "4", "--temp", "0"],
+                       input=b"hi \xff\xfe there\nWhat is 2+2?\n/stats\n", capture_output=True, timeout=300,
+                       env=ENV, cwd=ROOT)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "error: this line: not valid UTF-8 (byte 3)" in err and "Traceback" not in err
+    assert len(r.stdout.decode().splitlines()) == 1           # one answer: the second line's
+    assert "conversation: turns 1" in err

@@ -112,6 +112,18 @@ def test_a_run_cut_by_max_steps_takes_no_answer_from_a_cut_expression():
     assert rec["answer"] is None and extract_answer(text, truncated=True) is None, (text, rec["answer"])
 
 
+@pytest.mark.slow
+def test_n_bounds_the_committed_trajectory():
+    """``-n`` caps what ``solve --rescue`` commits after the prompt, as it caps a plain solve: stop ``length``."""
+    r = zoomr("solve", "-p", "Count from 1 to 100, one number per line.", "--rescue", "--nb", "1", "--nh", "1",
+              "--step-tokens", "8", "-n", "20", "-t", "1", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["stop_reason"] == "length", rec["stop_reason"]
+    # the last step is cut to what is left, so no more than 20 tokens in either model's count
+    assert 20 - 8 < sum(st["tokens"] for st in rec["steps"]) <= 20
+
+
 def test_bad_input_is_one_line_exit_2():
     r = zoomr("solve", "-p", PROBLEM, "--rescue", "--nb", "0", "--nh", "0")
     assert_one_line_error(r)
@@ -155,7 +167,8 @@ def test_every_rescue_flag_without_rescue_is_refused_by_name():
 def test_plan_defaults_and_backend_choice():
     plan = plan_rescue(RescueOptions(rescue=True), RunOptions())
     c = plan.config
-    assert (c.nb, c.nh, c.step_tokens, c.max_steps, c.max_context) == (2, 2, 512, 1024, 4096)
+    assert (c.nb, c.nh, c.step_tokens, c.max_steps, c.max_context, c.max_new_tokens) == (2, 2, 512, 1024, 4096, 512)
+    assert plan_rescue(RescueOptions(rescue=True), RunOptions(n_predict=-1)).config.max_new_tokens == -1
     assert (c.detector.max_entropy, c.detector.entropy_window, c.detector.entropy_guard,
             c.detector.min_gzip_ratio, c.detector.gzip_window, c.detector.repeat_chars,
             c.detector.max_copies) == (7.0, 12, 24, 0.18, 800, 256, 64)

@@ -193,6 +193,9 @@ def bench(
         ui.info(line)
     new_folder = not out.exists()
     log = _open_log(out, config, resume)
+    if resume and not log.records:
+        # a mistyped --out would otherwise start a long run silently where the user meant to finish one
+        ui.info(f"warning: --resume: {out} holds no bench records yet; starting a new run there")
     base = rescue_cells = None
     prompts: dict[str, list[int]] = {}
     try:

@@ -17,6 +17,7 @@ import typer
 from zoomr.backends.chat_prompt import chat_prompt
 from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler
+from zoomr.errors import check_text
 
 from zoomr.factory import build_backend, check_options
 from zoomr.options import RunOptions, check_knobs_read
@@ -160,6 +161,8 @@ def chat(
         try:
             if not _handle(input("> " if interactive else "").strip(), session, out, editing, interactive):
                 return 0
+        except UnicodeDecodeError as e:   # stdin decoded strictly (a UTF-8 locale): the chunk is dropped
+            out.info(f"error: input is not valid UTF-8 (byte {e.start} of the chunk read); that input was not sent")
         except EOFError:
             if interactive:
                 out.token("\n")  # ends the prompt's line
@@ -189,7 +192,8 @@ def _handle(line: str, session: ChatSession, out: Output, editing: bool, interac
         out.info(f"unknown command {line.split()[0]}; {HELP}")
     else:
         try:
-            session.ask(line, out)
+            # a line with bytes that are not UTF-8 is refused whole (the conversation goes on), like solve's file
+            session.ask(check_text(line, "this line"), out)
         except ValueError as e:
             out.info(f"error: {e}")
     return True

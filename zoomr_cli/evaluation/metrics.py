@@ -57,14 +57,19 @@ class FidelityMeter:
                 "fidelity_tokens": self.n}
 
 
+def _sig(x: float) -> float:
+    # 9 significant digits: a mean of rounded record fields then reads 3.3, not 3.3000000000000003
+    return float(f"{x:.9g}")
+
+
 def _mean(vals):
     vals = [v for v in vals if v is not None]
-    return float(np.mean(vals)) if vals else None
+    return _sig(np.mean(vals)) if vals else None
 
 
 def _ratio(num, den):
     num, den = [v for v in num if v is not None], [v for v in den if v is not None]
-    return float(sum(num) / sum(den)) if num and den and sum(den) else None
+    return _sig(sum(num) / sum(den)) if num and den and sum(den) else None
 
 
 def _max(vals):

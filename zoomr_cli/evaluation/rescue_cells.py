@@ -110,12 +110,11 @@ class RescueCells:
         """(policy, budget) cells per problem: best-of-N first, then rescue, for each budget."""
         return [(p, b) for b in budgets for p in (BEST_OF_N, RESCUE)]
 
-    def config(self, policy: str, max_context: int) -> RescueConfig:
-        """The loop settings of ``policy``'s cell: best-of-N has no helper candidate and no early exit."""
-        c = self.plan.config
-        if policy == BEST_OF_N:
-            return replace(c, nh=0, early_exit=False, max_context=max_context)
-        return replace(c, max_context=max_context)
+    def config(self, policy: str, n_predict: int) -> RescueConfig:
+        """The loop settings of ``policy``'s cell, its trajectory capped at ``n_predict`` new tokens: best-of-N
+        has no helper candidate and no early exit."""
+        c = replace(self.plan.config, max_new_tokens=n_predict)
+        return replace(c, nh=0, early_exit=False) if policy == BEST_OF_N else c
 
     def run(self, policy: str, budget: int, problem: Problem, base_ids: list[int], n_predict: int) -> dict:
         """One cell: the stepwise loop on ``problem`` with the base evicting to ``budget`` tokens.
@@ -138,8 +137,7 @@ class RescueCells:
         """
         base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy).with_knobs(budget=budget))
         helper_ids = problem_prompt(self.helper.tokenizer, problem, self.opts.ctx_size)
-        cap = max(len(base_ids), len(helper_ids)) + n_predict if n_predict > 0 else self.opts.ctx_size
-        config = self.config(policy, min(cap, self.opts.ctx_size))
+        config = self.config(policy, n_predict)
         self.scorer.reset_kv_peak()
         reason, transcript = rescue_once(base, self.helper, self.scorer, Sampler(self.sampling), config,
                                          problem.question, base_ids, helper_ids)
@@ -151,7 +149,7 @@ class RescueCells:
             "answer": s["answer"],
             "correct": grade(problem.gold, s["answer"]),
             "tokens_generated": sum(st["tokens"] for st in s["steps"]),
-            "stop_reason": "length" if reason == "context" and config.max_context < self.opts.ctx_size else reason,
+            "stop_reason": reason,
             "no_answer_at_cap": reason != "eos" and s["answer"] is None,
             **self.memory(transcript, uses_helper=config.nh > 0 or self.scorer.uses_helper),
             "decode_tok_s": round(sampled / s["seconds"], 2) if s["seconds"] else None,

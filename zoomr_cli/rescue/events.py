@@ -160,7 +160,8 @@ class RunFinished(Event):
 
     Attributes:
         answer: the extracted final answer or None.
-        stop_reason: ``eos``, ``max_steps``, ``context``, ``degenerate`` (every candidate of a step was
+        stop_reason: ``eos``, ``max_steps``, ``context``, ``length`` (``max_new_tokens`` committed after the
+            prompt), ``degenerate`` (every candidate of a step was
             aborted and there was no helper candidate) or ``interrupted`` (Ctrl-C).
         steps: committed steps; seconds: wall time of the loop (seconds).
     """

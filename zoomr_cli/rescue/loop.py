@@ -12,8 +12,8 @@ Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", th
 4. re-base: the winner's fork becomes its model's state (no history token is computed again),
    the other model prefills the committed step (an evicting base evicts back to its budget).
 
-The loop ends at an EOS step, after ``max_steps`` steps (1024) or at the context cap (4096 tokens of
-committed trajectory). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
+The loop ends at an EOS step, after ``max_steps`` steps (1024), at the context cap (4096 tokens of
+committed trajectory) or at ``max_new_tokens`` committed tokens after the prompt (``-n``). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
 baseline (no helper candidate, no early exit) with the same machinery.
 
 Sampling: every candidate draws from its own stream, seeded by (seed, step, index)
@@ -84,6 +84,8 @@ class RescueConfig:
         step_tokens: most tokens of one step (tokens).
         max_steps: most committed steps.
         max_context: most tokens of committed trajectory, prompt included, in either model (tokens).
+        max_new_tokens: most committed tokens after the prompt, in either model (tokens; ``-n``); ≤ 0:
+            no such bound. Reaching it ends the run with ``length``.
         step_end: the text that ends a step.
         detector: degeneration thresholds (base candidates only).
         early_exit: abort base candidates the detector flags (the paper's "early exit"); False keeps
@@ -97,6 +99,7 @@ class RescueConfig:
     step_tokens: int = 512
     max_steps: int = 1024
     max_context: int = 4096
+    max_new_tokens: int = 0
     step_end: str = "\n\n"
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     early_exit: bool = True
@@ -183,6 +186,7 @@ class RescueLoop:
                                     {"base": len(base_prompt), "helper": len(helper_prompt)},
                                     {e.role: e.backend.kv_stats(e.seq).as_dict() for e in (self.base, self.helper)}))
         reason = "max_steps"
+        cap = self.config.max_new_tokens
         try:
             for step in range(self.config.max_steps):
                 if self.stop_requested():
@@ -191,6 +195,12 @@ class RescueLoop:
                 if room < 1:
                     reason = "context"
                     break
+                if cap > 0:
+                    left = cap - max(self.base.length - len(base_prompt), self.helper.length - len(helper_prompt))
+                    if left < 1:
+                        reason = "length"
+                        break
+                    room = min(room, left)
                 best, survivors = self._step(step, min(self.config.step_tokens, room))
                 if best is None:
                     reason = "degenerate"

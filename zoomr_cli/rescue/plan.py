@@ -115,7 +115,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
                               pick("abort_gzip"), pick("gzip_window"), pick("abort_repeat"),
                               pick("abort_copies"))
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
-                          detector=detector, early_exit=pick("detector")).validate()
+                          max_new_tokens=opts.n_predict, detector=detector, early_exit=pick("detector")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
     base_opts = dataclasses.replace(opts, model=model, policy=policy)
     # the knobs are the base's: the helper keeps full KV
