@@ -44,7 +44,8 @@ class _Indexed(NamedTuple):
     pair (CPU only). The sources are frozen parts shared with other forks, or this set's own retired buffers.
 
     sources: [(k, v)], each [Hkv, n_s, d]; src, idx: [Hkv, M] int64 numpy (source of each slot, index within it);
-    pos: [Hkv, M] int64 CPU positions; plan: per source (s, heads, src_index, dst_slot) index tensors.
+    pos: [Hkv, M] int64 CPU positions; plan: per source (k_rows, v_rows, src_row, dst_row): the source as
+    [rows, d] views (:func:`_rows`), the rows it gives and the rows of the [Hkv·M, d] result they fill.
     """
 
     sources: list
@@ -52,6 +53,17 @@ class _Indexed(NamedTuple):
     idx: np.ndarray
     pos: torch.Tensor
     plan: list
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` [Hkv, n, d] as a [rows, d] view of its storage, and the rows from one head to the next: pair
+    (head h, index i) is row ``h·step + i``. A layout other than rows of d contiguous values (a cache view
+    sliced from a larger buffer is fine) is first copied into one."""
+    h, n, d = t.shape
+    if t.stride(2) != 1 or (n > 1 and t.stride(1) != d) or (h > 1 and t.stride(0) % d):
+        t = t.contiguous()
+    step = t.stride(0) // d if h > 1 else 0
+    return t.as_strided(((h - 1) * step + n, d), (d, 1)), step
 
 
 class _Part(NamedTuple):
@@ -317,9 +329,11 @@ class ResidentActiveSet:
         src = remap[src]
         sources = [sources[u] for u in used]   # sources no slot reads are let go
         plan = []
-        for s in range(len(sources)):
+        M = sel.shape[1]
+        for s, (k, v) in enumerate(sources):
             hh, cc = np.nonzero(src == s)
-            plan.append((s, self._index(hh), self._index(idx[hh, cc]), self._index(cc)))
+            (k_rows, step), (v_rows, _) = _rows(k), _rows(v)
+            plan.append((k_rows, v_rows, self._index(hh * step + idx[hh, cc]), self._index(hh * M + cc)))
         self.indexed[layer] = _Indexed(sources, src, idx, torch.from_numpy(sel.copy()), plan)
         self.parts[layer] = []
         self.k[layer] = self.v[layer] = self.pos_host[layer] = self.pos_dev[layer] = None
@@ -333,10 +347,11 @@ class ResidentActiveSet:
         M = ix.src.shape[1]
         k = torch.empty(self.h, M, self.d, device=self.device, dtype=self.dtype)
         v = torch.empty_like(k)
-        for s, heads, src, dst in ix.plan:
-            sk, sv = ix.sources[s]
-            k[heads, dst] = sk[heads, src]
-            v[heads, dst] = sv[heads, src]
+        # flat row copies: index_select/index_copy_ over [rows, d] views ran about twice as fast as the
+        # equivalent two-index advanced indexing on a CPU
+        for k_rows, v_rows, src, dst in ix.plan:
+            k.view(-1, self.d).index_copy_(0, dst, k_rows.index_select(0, src))
+            v.view(-1, self.d).index_copy_(0, dst, v_rows.index_select(0, src))
         return k, v
 
     def _materialize(self, layer: int) -> None:

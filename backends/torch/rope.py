@@ -80,7 +80,7 @@ class RotaryTable:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [heads, T, head_dim] by ``cos`` and the signed ``sin`` of :class:`RotaryTable`, each
     [T, head_dim] (rotate-half convention): x·cos + (x₂, x₁)·sin, a new [heads, T, head_dim] tensor."""
-    # three ops instead of six: the halves swap through a view, the sign sits in the table; decode runs
-    # this once per layer per token, where each small op's dispatch costs more than its arithmetic
+    # three ops instead of six (the halves swap in one flip, the sign sits in the table): decode runs this
+    # once per layer per token, on tensors so small that each op's dispatch costs more than its arithmetic
     swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
     return torch.addcmul(x * cos, swapped, sin)

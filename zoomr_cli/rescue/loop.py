@@ -13,8 +13,9 @@ Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", th
    the other model prefills the committed step (an evicting base evicts back to its budget).
 
 The loop ends at an EOS step, after ``max_steps`` steps (1024), at the context cap (4096 tokens of
-committed trajectory) or at ``max_new_tokens`` committed tokens after the prompt (``-n``). ``N_h = 0`` with ``early_exit=False`` is the paper's eviction-only best-of-N
-baseline (no helper candidate, no early exit) with the same machinery.
+committed trajectory) or at ``max_new_tokens`` committed tokens after the prompt (``-n``). ``N_h = 0``
+with ``early_exit=False`` is the paper's eviction-only best-of-N baseline (no helper candidate, no early
+exit) with the same machinery.
 
 Sampling: every candidate draws from its own stream, seeded by (seed, step, index)
 (:meth:`zoomr.backends.sampling.Sampler.substream`), so a candidate's tokens do not depend on which
