@@ -210,7 +210,7 @@ class DenseLinear:
         self._packed = onednn.pack(w)
         if self._packed is not None and not shared:
             self.w = None   # every call reads the packed copy: the plain one is not kept
-        self.kind = f"dense {str(w.dtype).replace('torch.', '')}"
+        self.kind = f"dense {str(w.dtype).replace('torch.', '')}{' (oneDNN)' if self._packed is not None else ''}"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] → [T, N] in the compute dtype."""

@@ -33,7 +33,7 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_batch(n, k):
 def test_packed_weight_replaces_the_plain_one_except_a_shared_table():
     w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
     own = DenseLinear(w, None, CPU, torch.float32)
-    assert own.w is None and own.nbytes() >= w.nbytes
+    assert own.w is None and own.nbytes() >= w.nbytes and own.kind == "dense float32 (oneDNN)"
     table = torch.from_numpy(w)
     head = DenseLinear.sharing(table)
     assert head.w is table and head.nbytes() >= 2 * w.nbytes   # the table and its packed copy
@@ -46,7 +46,7 @@ def test_zoomr_onednn_0_keeps_f_linear(monkeypatch):
     try:
         w = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
         lin = DenseLinear(w, None, CPU, torch.float32)
-        assert lin._packed is None and lin.w is not None
+        assert lin._packed is None and lin.w is not None and lin.kind == "dense float32"
         x = torch.randn(3, 64)
         assert torch.equal(lin(x), F.linear(x, torch.from_numpy(w)))
     finally:

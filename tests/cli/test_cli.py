@@ -57,6 +57,7 @@ def test_solve_from_stdin_prompt_too_long_for_ctx():
     (None, ["-p", "   "], "empty"),
     (None, ["examples/problem.txt", "--nb", "3"], "--nb needs --rescue"),
     (None, ["examples/problem.txt", "--no-detector"], "--no-detector needs --rescue"),
+    (None, ["examples/problem.txt", "-np", "2"], "-np/--parallel: zoomr solve decodes one sequence"),  # not "-n p"
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, needle):
     p = tmp_path / "input"

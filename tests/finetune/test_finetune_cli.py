@@ -30,6 +30,17 @@ def test_summarizer_that_cannot_load(tmp_path):
     assert "--summarizer" in r.stderr and "no such model file" in r.stderr
 
 
+@pytest.mark.parametrize("flag", ["-m", "--summarizer"])
+def test_a_model_file_that_cannot_load_is_refused_before_out_is_written(tmp_path, flag):
+    data = write_traces(tmp_path / "data.jsonl", 2)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"NOTAGGUF!")
+    r = run(tmp_path, str(data), "--out", str(tmp_path / "out"), flag, str(fake))
+    assert_one_line_error(r)
+    assert f"zoomr: error: {flag}: {fake}: not a GGUF file (9 bytes)" in r.stderr
+    assert not (tmp_path / "out").exists()   # so fixing the flag and running again needs no --force
+
+
 def test_architecture_zoomr_cannot_train(tmp_path):
     model = tmp_path / "gpt2"
     model.mkdir()

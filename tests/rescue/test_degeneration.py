@@ -103,7 +103,8 @@ def test_normal_reasoning_with_real_model_logits_is_not_aborted(torch_backend):
 
 @pytest.mark.parametrize("kw,needle", [({"entropy_window": 0}, "--entropy-window"), ({"gzip_window": 0}, "--gzip-window"),
                                        ({"max_entropy": float("nan")}, "--abort-entropy"),
-                                       ({"min_gzip_ratio": -1.0}, "--abort-gzip"), ({"entropy_guard": -1}, "--entropy-guard"),
+                                       ({"min_gzip_ratio": -1.0}, "--abort-gzip"), ({"min_gzip_ratio": 2.0}, "--abort-gzip"),
+                                       ({"entropy_guard": -1}, "--entropy-guard"),
                                        ({"repeat_chars": -1}, "--abort-repeat"), ({"max_copies": 1}, "--abort-copies")])
 def test_bad_thresholds_are_one_line_value_errors(kw, needle):
     with pytest.raises(ValueError, match=needle):

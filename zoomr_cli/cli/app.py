@@ -71,6 +71,13 @@ def usage_line(e, argv: list[str]) -> str:
     where = f"{path[1]}: " if len(path) == 2 else ""
     if isinstance(e, _NO_SUCH_OPTION):
         near = sorted(e.possibilities or [])
+        params = getattr(getattr(ctx, "command", None), "params", None)
+        if params:
+            # click's own matching (difflib, 3 at most) counts hidden options too (solve's -np, kept only to
+            # answer bench's flag): match the visible ones the same way
+            shown = [n for p in params if not getattr(p, "hidden", False) for n in getattr(p, "opts", [])
+                     if n.startswith("-")]
+            near = sorted(difflib.get_close_matches(e.option_name, shown))
         return f"{where}no such option {e.option_name}" + (f"; did you mean {_or_list(near)}?" if near else "")
     group = getattr(ctx, "command", None) if ctx is not None else None
     commands = sorted(getattr(group, "commands", None) or {})

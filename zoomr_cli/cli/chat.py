@@ -21,7 +21,7 @@ from zoomr.errors import check_text
 
 from zoomr.factory import build_backend, check_options
 from zoomr.options import RunOptions, check_knobs_read
-from zoomr.cli.options import model_options
+from zoomr.cli.options import OneSequence, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
 
 COMMANDS = {
@@ -141,10 +141,12 @@ class ChatSession:
 def chat(
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output.")] = False,
+    parallel: OneSequence = None,
     *,
     opts: RunOptions,
 ) -> int:
     """Chat interactively; the conversation stays in the KV cache. /help, /stats, /reset, /exit; Ctrl-C stops an answer."""
+    refuse_parallel(parallel, "chat")
     check_knobs_read(opts)
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)

@@ -194,3 +194,20 @@ def _typed(ctx, name: str) -> bool:
     source = ctx.get_parameter_source(name)
     # by name: the enum is click's own or the copy Typer vendors, depending on Typer's version
     return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "PROMPT")
+
+
+# solve and chat run one sequence; without this, click reads bench's "-np 2" there as "-n p" and blames -n
+OneSequence = Annotated[Optional[str], typer.Option("-np", "--parallel", hidden=True)]
+
+
+def refuse_parallel(value: str | None, command: str) -> None:
+    """Refuse ``-np/--parallel`` on a command that decodes one sequence.
+
+    Raises:
+        UserError: naming ``zoomr bench`` as the command that takes it.
+    """
+    if value is not None:
+        from zoomr.errors import UserError
+
+        raise UserError(f"-np/--parallel: zoomr {command} decodes one sequence; zoomr bench runs several in "
+                        "parallel (and solve --rescue batches its candidates by itself)")

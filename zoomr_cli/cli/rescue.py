@@ -66,7 +66,7 @@ def print_summary(out: Output, s: dict) -> None:
     out.result("answer", s["answer"] if s["answer"] is not None else "(none found)")
     n = len(s["steps"])
     helper = sum(st["source"] == "helper" for st in s["steps"])
-    out.result("rescue", f"{n} steps (base {n - helper}, helper {helper}: helper share {s['helper_share']:.0%}) · "
+    out.result("rescue", f"{n} step{'' if n == 1 else 's'} (base {n - helper}, helper {helper}: helper share {s['helper_share']:.0%}) · "
                f"candidates base {s['candidates']['base']} (aborted {s['aborted']}), helper {s['candidates']['helper']}"
                f" · generated base {s['base_tokens']} tok, helper {s['helper_tokens']} tok · stop: {s['stop_reason']}",
                style="dim")

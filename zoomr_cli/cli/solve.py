@@ -16,7 +16,7 @@ from zoomr.rescue.plan import RescueOptions
 
 from zoomr.cli.inputs import check_writable, read_text_input, write_json
 from zoomr.cli.kv_display import attach_live_events, policy_line
-from zoomr.cli.options import model_options
+from zoomr.cli.options import OneSequence, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
 from zoomr.cli.rescue import run_rescue
 from zoomr.cli.rescue_options import rescue_options
@@ -32,11 +32,13 @@ def solve(
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain text output for pipes.")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Also print every KV-policy recompute (ZoomR "
                                           "zooms, sumr segments) as it happens, on stderr.")] = False,
+    parallel: OneSequence = None,
     *,
     opts: RunOptions,
     rescue: RescueOptions,
 ) -> int:
     """Solve one problem: stream the reasoning, print the \\boxed{} answer and KV/speed statistics."""
+    refuse_parallel(parallel, "solve")
     sources = [s for s in (file, prompt_file) if s is not None]
     if prompt is not None and sources or len(sources) > 1:
         raise UserError("give the problem once: FILE, -f FILE or -p TEXT")

@@ -68,6 +68,28 @@ class FinetuneConfig:
 Event = Callable[[str, dict], None]  # (kind, fields): stage, augment, tokenized, step, checkpoint, exported
 
 
+def check_model(flag: str, spec: str | None) -> None:
+    """Refuse a model that cannot load before anything is written: it must resolve, and a GGUF file must pass
+    the header and metadata checks every loader runs (:func:`zoomr.backends.gguf_file.check_gguf`; the
+    header only, no weights are read).
+
+    Raises:
+        UserError: ``{flag}: {why}`` (one line).
+    """
+    from zoomr.backends.gguf_file import check_gguf
+
+    try:
+        src = resolve_model(spec)
+        if src.kind == "gguf":
+            check_gguf(src.path)
+    except ValueError as e:
+        raise UserError(f"{flag}: {e}") from None
+
+
+def _shown(key: str, value) -> str:
+    return "the embedded model" if value is None and key in ("model", "summarizer") else repr(value)
+
+
 def prepare_out(cfg: FinetuneConfig) -> None:
     """Check ``--out`` against ``--resume`` / ``--force`` and record the settings.
 
@@ -99,7 +121,8 @@ def prepare_out(cfg: FinetuneConfig) -> None:
         changed = [k for k in _FIXED if old.get(k) != new.get(k)]
         if changed:
             k = changed[0]
-            raise UserError(f"--resume: {k} was {old.get(k)!r} in {out}, now {new.get(k)!r} (start over with --force)")
+            raise UserError(f"--resume: {k} was {_shown(k, old.get(k))} in {out}, now {_shown(k, new.get(k))} "
+                            "(start over with --force)")
     out.mkdir(parents=True, exist_ok=True)
     (out / RUN_FILE).write_text(json.dumps(cfg.settings(), indent=1))
 
@@ -164,13 +187,10 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     if cfg.data is None and cfg.augmented is None:
         raise UserError("give DATA (a JSONL of reasoning traces) or --augmented PATH")
     # bad input is refused before anything is loaded or written
+    check_model("-m", cfg.model)
     if cfg.augmented is None:
         read_traces(cfg.data, cfg.limit)
-        if cfg.summarizer is not None:
-            try:
-                resolve_model(cfg.summarizer)
-            except ValueError as e:
-                raise UserError(f"--summarizer {cfg.summarizer}: {e}") from None
+        check_model("--summarizer", cfg.summarizer)
     else:
         for r in read_jsonl(cfg.augmented, "--augmented", cfg.limit):
             Augmented.from_json(r, f"--augmented {cfg.augmented}")

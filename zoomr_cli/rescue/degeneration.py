@@ -91,7 +91,8 @@ class DetectorConfig:
         """Return self.
 
         Raises:
-            ValueError: a window or guard below 1, a negative or NaN threshold (one line naming the option).
+            ValueError: a window or guard below 1, a negative or NaN threshold, a gzip ratio above 1 (one line
+                naming the option).
         """
         if self.entropy_window < 1:
             raise ValueError(f"--entropy-window must be at least 1 token, got {self.entropy_window}")
@@ -105,8 +106,11 @@ class DetectorConfig:
             raise ValueError(f"--abort-copies must be 0 (off) or at least 2, got {self.max_copies}")
         if math.isnan(self.max_entropy) or self.max_entropy < 0:
             raise ValueError(f"--abort-entropy must be >= 0 nats, got {self.max_entropy}")
-        if math.isnan(self.min_gzip_ratio) or self.min_gzip_ratio < 0:
-            raise ValueError(f"--abort-gzip must be >= 0, got {self.min_gzip_ratio}")
+        # a full window of ordinary text compresses to about half its bytes: a threshold above 1 would abort
+        # every candidate, which no one means
+        if math.isnan(self.min_gzip_ratio) or not 0 <= self.min_gzip_ratio <= 1:
+            raise ValueError(f"--abort-gzip must be within [0, 1] (compressed/raw bytes; 0: off), got "
+                             f"{self.min_gzip_ratio}")
         return self
 
 
