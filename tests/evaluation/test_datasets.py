@@ -127,3 +127,8 @@ def test_a_non_editable_install_ships_the_sets(tmp_path):
     where, rows, n, top = json.loads(r.stdout)
     assert where.startswith(str(target)) and n == 2 and top == []
     assert rows == list_datasets() and {row["source"] for row in rows} == {"shipped"}
+
+
+def test_a_folder_given_as_dataset_is_named_as_a_folder(tmp_path):
+    with pytest.raises(DatasetError, match=r": is a folder; --dataset takes a name \(gsm8k, .*\) or a JSONL file$"):
+        load_problems(str(tmp_path))

@@ -114,3 +114,10 @@ def test_limit_reads_only_the_first_rows(tmp_path):
     p = tmp_path / "data.jsonl"
     p.write_text("".join(json.dumps({"problem": f"p{i}", "solution": "s"}) + "\n" for i in range(5)) + "garbage\n")
     assert [q for q, _ in read_traces(p, limit=3)] == ["p0", "p1", "p2"]
+
+
+def test_an_augmented_row_missing_a_field_names_the_field():
+    from zoomr.finetune.augment import Augmented
+
+    with pytest.raises(UserError, match=r"^aug.jsonl:1: not an augmented row \(no 'index' field\); write one"):
+        Augmented.from_json({"problem": "q", "paragraphs": [], "summaries": [], "augmented": "x"}, "aug.jsonl:1")

@@ -211,6 +211,8 @@ def load_problems(spec: str, limit: int | None = None) -> tuple[str, list[Proble
     path = Path(spec).expanduser()
     if path.is_file():
         f, name = path, Path(path.name.removesuffix(".gz")).stem
+    elif spec.strip() and path.is_dir():   # Path("") is "."
+        raise DatasetError(f"{spec}: is a folder; --dataset takes a name ({', '.join(KNOWN)}) or a JSONL file")
     elif (found := _locate(spec)) is not None:
         f, name = found[1], spec
     elif spec in KNOWN:  # only a broken install lacks its shipped copy

@@ -84,7 +84,7 @@ def summarize(records: list[dict]) -> list[dict]:
         policy, budget, problems, accuracy, fidelity_top1, fidelity_kl (nats/token);
         mean_active_tokens (mean over problems of each run's time-averaged active KV), peak_active_tokens and
         bound_tokens (max over problems; ``bound_measured`` when any bound is a measured peak),
-        mean_active_bytes, full_bytes (means over problems);
+        mean_active_bytes, mean_full_bytes, full_bytes (means over problems; full_bytes at each run's end);
         saving = Σ mean full bytes / Σ mean active bytes over the row's runs (time-averaged, the same steps),
         saving_peak = Σ full bytes / Σ peak active bytes;
         device_kv_bytes, host_kv_bytes (peak over problems of what was allocated), kv_device;
@@ -113,6 +113,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "bound_tokens": _max(get("bound_tokens")),
             "bound_measured": any(bool(v) for v in get("bound_measured")),
             "mean_active_bytes": _mean(get("mean_active_bytes")),
+            "mean_full_bytes": _mean(get("mean_full_bytes")),
             "full_bytes": _mean(get("full_bytes")),
             "saving": _ratio(get("mean_full_bytes"), get("mean_active_bytes")),
             "saving_peak": _ratio(get("full_bytes"), get("peak_active_bytes")),

@@ -187,8 +187,11 @@ class Augmented:
         try:
             a = cls(int(row["index"]), str(row["problem"]), list(row["paragraphs"]), list(row["summaries"]),
                     list(row.get("rejected") or [None] * len(row["paragraphs"])), str(row["augmented"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"{where}: not an augmented row ({type(e).__name__}: {e}); "
+        except KeyError as e:
+            raise UserError(f"{where}: not an augmented row (no {e.args[0]!r} field); "
+                            "write one with zoomr finetune, or drop --augmented") from None
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{where}: not an augmented row ({e}); "
                             "write one with zoomr finetune, or drop --augmented") from None
         if not a.augmented.strip():
             raise UserError(f"{where}: an augmented row has empty 'augmented' text")
