@@ -31,6 +31,10 @@ def test_solve_json_record(tmp_path):
     assert rec["kv"]["full_bytes"] == rec["kv"]["full_tokens"] * 2 * 30 * 3 * 64 * 4  # fp32 KV on a CPU (auto)
     assert rec["timing"]["prefill_tok_s"] > 0 and rec["timing"]["decode_tok_s"] > 0
     assert "answer:" in r.stdout and "decode" in r.stdout
+    assert f"wrote {out}" in r.stderr
+    r = zoomr("solve", "examples/problem.txt", "-n", "4", "--no-live", "--json", "-")
+    assert r.returncode == 0 and json.loads(r.stdout)["tokens_generated"] <= 4
+    assert "wrote" not in r.stderr   # the record on stdout needs no "wrote stdout"
 
 
 @pytest.mark.slow

@@ -119,7 +119,8 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     print_summary(out, summary)
     if json_path:
         where = write_json(json_path, transcript.record(problem), indent=1)
-        out.info(f"wrote {where}")
+        if json_path != "-":   # a record on stdout speaks for itself
+            out.info(f"wrote {where}")
     if reason == "interrupted":
         out.info("interrupted: committed steps kept above" + (f" and in {where}" if json_path else ""))
         return 130

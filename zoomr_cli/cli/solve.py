@@ -75,7 +75,8 @@ def solve(
         out.result("kv", policy_line(result.kv), style="dim")
     if json_path:
         where = write_json(json_path, result.record(), indent=2)
-        out.info(f"wrote {where}")
+        if json_path != "-":   # a record on stdout speaks for itself
+            out.info(f"wrote {where}")
     if code:
         out.info("interrupted: partial result kept above" + (f" and in {where}" if json_path else ""))
     return code
