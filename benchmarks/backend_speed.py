@@ -52,6 +52,7 @@ class TorchRow:
         self.info = {"engine": f"torch {row}", "weight_MiB": be.model.weight_bytes() / 2**20,
                      "dtype": str(be.dtype).replace("torch.", ""), "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
                      "weights": be.model.weight_summary()}
+        self.seq = None            # the round's sequence (start() frees the last one)
         warm = be.new_sequence()   # warm-up: allocator, prefill and decode kernels
         be.prefill(warm, [1] * 16)
         for _ in range(4):
@@ -61,7 +62,7 @@ class TorchRow:
     def start(self, ids: list[int]) -> float:
         """Prefill ``ids`` into a fresh sequence (the last one is freed); seconds."""
         be = self.be
-        if getattr(self, "seq", None) is not None:
+        if self.seq is not None:
             be.free(self.seq)
         self.seq = be.new_sequence()
         t = time.perf_counter()
