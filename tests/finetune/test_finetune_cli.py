@@ -41,6 +41,19 @@ def test_a_model_file_that_cannot_load_is_refused_before_out_is_written(tmp_path
     assert not (tmp_path / "out").exists()   # so fixing the flag and running again needs no --force
 
 
+@pytest.mark.parametrize("device, msg", [("tpu", "--device 'tpu' unknown"),
+                                         ("cuda", "--device cuda requested but torch sees no CUDA device")])
+def test_a_device_that_cannot_train_is_refused_before_anything_runs(tmp_path, device, msg):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    data = write_traces(tmp_path / "data.jsonl", 2)
+    r = run(tmp_path, str(data), "--out", str(tmp_path / "out"), "--device", device)
+    assert_one_line_error(r)
+    assert msg in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_architecture_zoomr_cannot_train(tmp_path):
     model = tmp_path / "gpt2"
     model.mkdir()

@@ -209,5 +209,6 @@ def refuse_parallel(value: str | None, command: str) -> None:
     if value is not None:
         from zoomr.errors import UserError
 
+        rescue = " (solve --rescue batches its candidates by itself)" if command == "solve" else ""
         raise UserError(f"-np/--parallel: zoomr {command} decodes one sequence; zoomr bench runs several in "
-                        "parallel (and solve --rescue batches its candidates by itself)")
+                        f"parallel{rescue}")

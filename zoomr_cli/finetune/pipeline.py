@@ -160,15 +160,18 @@ def augment_stage(cfg: FinetuneConfig, count_tokens, on_event: Event) -> list[Au
 
 
 def pick_device(spec: str):
-    """torch device for training: ``auto`` → CUDA when available, else CPU."""
-    import torch
+    """The torch device for training, resolved as every torch-backend command resolves ``--device``
+    (:func:`zoomr.backends.torch.engine.pick_device`: ``auto`` → CUDA when available, else CPU).
 
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    Raises:
+        UserError: an unknown device, or CUDA asked for where torch sees none (one line).
+    """
+    from zoomr.backends.torch.engine import pick_device as resolve
+
     try:
-        return torch.device(spec)
-    except RuntimeError as e:
-        raise UserError(f"--device {spec!r}: {e}") from None
+        return resolve(spec)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None) -> dict:
@@ -187,6 +190,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     if cfg.data is None and cfg.augmented is None:
         raise UserError("give DATA (a JSONL of reasoning traces) or --augmented PATH")
     # bad input is refused before anything is loaded or written
+    device = pick_device(cfg.device)
     check_model("-m", cfg.model)
     if cfg.augmented is None:
         read_traces(cfg.data, cfg.limit)
@@ -216,7 +220,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size, delimiter_init(tok)), cfg.train, delimiter_ids(tok))
     del tensors
     pad = tok.eos_ids and min(tok.eos_ids) or 0
-    trainer = Trainer(model, examples, cfg.train, pad, cfg.out / "checkpoints", pick_device(cfg.device))
+    trainer = Trainer(model, examples, cfg.train, pad, cfg.out / "checkpoints", device)
     start = trainer.resume() if cfg.resume else 0
     on_event("train", {"step": start, "steps": cfg.train.steps})
     trainer.run(on_step=lambda s, loss: on_event("step", {"step": s, "steps": cfg.train.steps, "loss": loss}),
