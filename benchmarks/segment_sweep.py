@@ -9,12 +9,13 @@ sets the budget of StreamingLLM and H2O (:func:`zoomr.evaluation.match.predict_b
 --match-budget``), so the three are compared at equal memory. Also prints ZoomR §3.5's memory-saving formula
 on the measured lengths beside the measured saving (full / mean active tokens over the same pass).
 
-    python benchmarks/segment_sweep.py -n 1024 --limit 3 --segment-tokens 48,96,192 [--json out.json]
+    python benchmarks/segment_sweep.py -n 2048 --limit 3 --segment-tokens 96 --consensus 2,0 [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--segment-tokens", default="48,96,192", help="comma-separated --segment-tokens values")
     ap.add_argument("--baselines", default="streaming,h2o", help="policies matched to each ZoomR run")
     ap.add_argument("--window", type=int, default=None, help="ZoomR --window (default: its own)")
+    ap.add_argument("--consensus", default="2", help="comma-separated ZoomR --consensus values (0: the "
+                    "ablation that zooms nothing, to see what the retrieval adds over prompt + window)")
     ap.add_argument("-t", "--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     ap.add_argument("--json", default=None, help="write the results here (- for stdout)")
     args = ap.parse_args()
@@ -73,29 +76,32 @@ def main() -> None:
         ref = gen.reference
         print(f"{problem.id}: full KV {len(ref.tokens)} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
         full_tokens = len(prompt) + len(ref.tokens)
-        for seg in [int(x) for x in args.segment_tokens.split(",")]:
-            knobs = {"segment_tokens": seg} | ({"window": args.window} if args.window else {})
+        for seg, c in itertools.product([int(x) for x in args.segment_tokens.split(",")],
+                                        [int(x) for x in args.consensus.split(",")]):
+            knobs = {"segment_tokens": seg, "consensus": c} | ({"window": args.window} if args.window else {})
             z = fidelity(model, PolicySpec("zoomr", **knobs), prompt, ref)
             target = z["fidelity_mean_active_tokens"]
-            row = {"problem": problem.id, "segment_tokens": seg, "full_tokens": full_tokens, "zoomr": z,
-                   "measured_saving": z["extra"]["saving"]}
+            row = {"problem": problem.id, "segment_tokens": seg, "consensus": c, "full_tokens": full_tokens,
+                   "zoomr": z, "measured_saving": z["extra"]["saving"]}
             for name in args.baselines.split(","):
                 budget, _ = predict_budget(PolicySpec(name), target, len(prompt), len(ref.tokens))
                 row[name] = {**fidelity(model, PolicySpec(name, budget), prompt, ref), "budget": budget}
             rows.append(row)
             line = " · ".join(f"{p} ({row[p]['wall_s']:.0f} s) KV {row[p]['fidelity_mean_active_tokens']:.0f} top1 {row[p]['fidelity_top1']:.3f} "
                               f"KL {row[p]['fidelity_kl']:.4f}" for p in ["zoomr", *args.baselines.split(",")])
-            print(f"{problem.id} seg {seg}: {line} · saving {row['measured_saving']}× "
+            print(f"{problem.id} seg {seg} c {c}: {line} · saving {row['measured_saving']}× "
                   f"(§3.5 formula {z['extra'].get('saving_formula')}×)", flush=True)
     summary = {}
-    for seg in {r["segment_tokens"] for r in rows}:
-        mine = [r for r in rows if r["segment_tokens"] == seg]
-        summary[seg] = {p: {m: round(statistics.fmean(r[p][m] for r in mine), 4)
+    for seg, c in sorted({(r["segment_tokens"], r["consensus"]) for r in rows}):
+        mine = [r for r in rows if (r["segment_tokens"], r["consensus"]) == (seg, c)]
+        key = f"segment_tokens={seg},consensus={c}"
+        summary[key] = {p: {m: round(statistics.fmean(r[p][m] for r in mine), 4)
                             for m in ("fidelity_mean_active_tokens", "fidelity_top1", "fidelity_kl")}
                         for p in ["zoomr", *args.baselines.split(",")]}
         # bench's ratio: mean active / mean full KV over the same decode steps (1 / saving)
-        summary[seg]["active_over_full"] = round(statistics.fmean(1 / r["measured_saving"] for r in mine), 4)
-        print(f"segment_tokens {seg}: {summary[seg]}", flush=True)
+        summary[key]["active_over_full"] = round(statistics.fmean(1 / r["measured_saving"] for r in mine), 4)
+        summary[key]["saving_formula"] = round(statistics.fmean(r["zoomr"]["extra"].get("saving_formula", 0) for r in mine), 3)
+        print(f"{key}: {summary[key]}", flush=True)
     write_json({"n_predict": args.n, "limit": args.limit, "rows": rows, "summary": summary}, args.json)
 
 

@@ -282,7 +282,7 @@ class PolicyCacheFactory:
         ValueError: see :meth:`PolicySpec.build`.
 
     Attributes:
-        policy_name: the policy with its knobs, e.g. ``zoomr(k=2, c=2, window=128, summaries=auto)``.
+        policy_name: the policy with its knobs, e.g. ``zoomr(k=2, c=2, window=512, summaries=auto)``.
         events: :class:`zoomr.kvstore.events.EventBus` every cache made here publishes to.
     """
 

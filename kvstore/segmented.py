@@ -26,8 +26,8 @@ from .policy import ForwardInfo, KVPolicy
 from .segments import Segment, SegmentTracker, ends_at_boundary
 
 # SumR's and ZoomR's default --window (tokens) and where it comes from
-WINDOW = 128
-WINDOW_SOURCE = "ZoomR's analysis: 512 at 16K tokens; 128 suits short generations"
+WINDOW = 512
+WINDOW_SOURCE = "ZoomR's analysis: 512 at 16K tokens; benchmarks/segment_sweep.py tried 128–512 at 2,048 tokens"
 # the longest block of --summaries auto/prompted (tokens) and where it comes from
 SEGMENT_TOKENS = 96
 SEGMENT_SOURCE = "benchmarks/segment_sweep.py: 48, 96, 192 tried on the embedded model, MATH500"
@@ -72,9 +72,9 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         self._tail = (self._tail + fwd.text)[-8:]
         if not ends_at_boundary(self._tail):
             return None
-        zoomed, summarized, votes = self.choose()
-        recent = min(fwd.end - self.window, self.tracker.open_start)
-        keep = set(range(self.n_prompt)) | set(range(max(self.n_prompt, recent), fwd.end))
+        recent = max(self.n_prompt, min(fwd.end - self.window, self.tracker.open_start))
+        zoomed, summarized, votes = self.choose(recent)
+        keep = set(range(self.n_prompt)) | set(range(recent, fwd.end))
         segs = self.tracker.segments
         for i in zoomed:
             keep.update(segs[i].regular)
@@ -97,9 +97,11 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         """Called with newly closed segments (before :meth:`choose`)."""
 
     @abc.abstractmethod
-    def choose(self) -> tuple[list[int], list[int], dict[int, int]]:
+    def choose(self, recent: int) -> tuple[list[int], list[int], dict[int, int]]:
         """(zoomed segment indices, summarized segment indices, votes per voted segment): SumR summarizes
-        every closed segment, ZoomR votes (each subclass is its paper's rule)."""
+        every closed segment, ZoomR votes (each subclass is its paper's rule). ``recent`` is the first
+        position of I_w (the window with the open segment, never before the prompt's end): everything from
+        there on is attended whatever is chosen."""
 
     def record(self, zoomed: list[int], votes: dict[int, int]) -> float | None:
         """Book-keep one recompute; return its agreeability (None when not applicable)."""

@@ -113,6 +113,11 @@ class Segment:
     content: tuple[int, ...] | None = None
 
     @property
+    def first(self) -> int:
+        """Its first position: R_i's start, or S_i's when R_i is empty (a summary right after a summary)."""
+        return self.regular.start if len(self.regular) else self.summary[0]
+
+    @property
     def key_positions(self) -> tuple[int, ...]:
         """Positions whose mean key represents the segment: S_i for model summaries (paper §3.3; its
         content tokens when :attr:`content` is set), all of R_i for blocks (no written summary)."""

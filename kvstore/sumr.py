@@ -30,7 +30,7 @@ class SumRPolicy(SegmentedPolicy):
 
     name = "sumr"
 
-    def choose(self):
+    def choose(self, recent):
         return [], list(range(len(self.tracker.segments))), {}
 
     def describe(self) -> str:

@@ -6,13 +6,20 @@ Source: ZoomR paper §3.3 and Algorithm 1.
   for paragraph segments, which have no written summary); kept on the compute device.
 * Scoring: α_i = q_t · k̄_i for every query head, q_t the query of the token just processed; with GQA a
   query head uses its KV group's k̄.
-* Voting: every (layer, query head) votes for its top-k segments (k = 2; all of them when fewer);
+* Candidates: the closed segments that start before the recent window I_w (the window with the
+  segment still being written). A segment wholly inside I_w is attended in full whatever the votes say,
+  so zooming it in would spend one of the c slots on nothing: §3.5's MS counts the c zoomed paragraphs
+  (c·L̄_R) on top of N_w, i.e. outside the window. Counting them, the most-voted segments on the
+  embedded model were the newest ones, already in the window: at 2,048 generated tokens and --window 384,
+  c = 2 and c = 0 kept the same mean active KV and the same KL to full KV (benchmarks/segment_sweep.py
+  --consensus 2,0), so the votes retrieved nothing.
+* Voting: every (layer, query head) votes for its top-k candidates (k = 2; all of them when fewer);
   v_i = votes of segment i, I_all = {i : v_i > 0}.
 * Consensus: I_c = the c most-voted (c = 2; ties: the newer segment first), I_s = I_all \\ I_c.
 * Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`zoomr.kvstore.segmented`).
 * Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4) that has more
-  than max(c, k) closed segments: with at most k every head votes for all of them, so AG = min(c, S) / S
-  whatever the queries (1 when S ≤ c), and those recomputes would only pull the mean up and the spread down.
+  than max(c, k) candidates: with at most k every head votes for all of them, so AG = min(c, C) / C
+  whatever the queries (1 when C ≤ c), and those recomputes would only pull the mean up and the spread down.
 * Memory saving MS of §3.5 (:func:`memory_saving_formula`), evaluated on the run's own N_p, N_g, L̄_R,
   L̄_S, |I_all| and N_w, is reported beside the measured saving (``stats()["saving_formula"]``).
 """
@@ -98,6 +105,7 @@ class ZoomRPolicy(SegmentedPolicy):
         self.queries: dict[int, torch.Tensor] = {}    # layer → [H, d] query of the newest token
         self.ag: list[float] = []
         self.voted_last = 0                           # |I_all| at the last recompute
+        self.n_candidates = 0                         # segments starting before I_w at the last recompute
 
     def fork(self, ctx):
         """Shares the mean keys (extended by concatenation, never written) and the newest queries
@@ -117,19 +125,27 @@ class ZoomRPolicy(SegmentedPolicy):
         new = torch.stack(means, dim=2).to(self.ctx.device)
         self.mean_keys = new if self.mean_keys is None else torch.cat([self.mean_keys, new], dim=2)
 
-    def votes(self) -> torch.Tensor:
-        """v_i for every closed segment: [S] int64 (CPU)."""
-        S = 0 if self.mean_keys is None else self.mean_keys.shape[2]
-        if S == 0 or len(self.queries) < self.ctx.n_layers:
-            return torch.zeros(S, dtype=torch.long)
-        q = torch.stack([self.queries[l] for l in range(self.ctx.n_layers)])          # [L, H, d]
-        kbar = self.mean_keys.repeat_interleave(self.ctx.group, dim=1)                 # [L, H, S, d]
-        alpha = torch.einsum("lhd,lhsd->lhs", q, kbar)
-        top = alpha.topk(min(self.topk, S), dim=-1).indices
-        return torch.bincount(top.flatten(), minlength=S).cpu()
+    def candidates(self, recent: int) -> int:
+        """C, the closed segments that start before position ``recent`` (the first of I_w): segments close
+        in position order, so they are the first C."""
+        return sum(1 for s in self.tracker.segments if s.first < recent)
 
-    def choose(self):
-        v = self.votes()
+    def votes(self, recent: int) -> torch.Tensor:
+        """v_i for every closed segment, [S] int64 (CPU): 0 for those wholly inside I_w (from ``recent`` on)."""
+        S = 0 if self.mean_keys is None else self.mean_keys.shape[2]
+        v = torch.zeros(S, dtype=torch.long)
+        C = self.n_candidates = self.candidates(recent)
+        if C == 0 or len(self.queries) < self.ctx.n_layers:
+            return v
+        q = torch.stack([self.queries[l] for l in range(self.ctx.n_layers)])          # [L, H, d]
+        kbar = self.mean_keys[:, :, :C].repeat_interleave(self.ctx.group, dim=1)       # [L, H, C, d]
+        alpha = torch.einsum("lhd,lhsd->lhs", q, kbar)
+        top = alpha.topk(min(self.topk, C), dim=-1).indices
+        v[:C] = torch.bincount(top.flatten(), minlength=C).cpu()
+        return v
+
+    def choose(self, recent):
+        v = self.votes(recent)
         voted = [i for i in range(len(v)) if v[i] > 0]
         ranked = sorted(voted, key=lambda i: (-int(v[i]), -i))
         zoomed = sorted(ranked[:self.consensus])
@@ -137,10 +153,10 @@ class ZoomRPolicy(SegmentedPolicy):
         return zoomed, summarized, {i: int(v[i]) for i in voted}
 
     def record(self, zoomed, votes):
-        """AG of this recompute, or None where it is 0/0 or fixed by construction (≤ max(c, k) segments)."""
+        """AG of this recompute, or None where it is 0/0 or fixed by construction (≤ max(c, k) candidates)."""
         self.voted_last = len(votes)
         total = sum(votes.values())
-        if not total or len(self.tracker.segments) <= max(self.consensus, self.topk):
+        if not total or self.n_candidates <= max(self.consensus, self.topk):
             return None
         ag = sum(votes[i] for i in zoomed) / total
         self.ag.append(ag)

@@ -219,26 +219,30 @@ def base_context(n_prompt, t, w, open_start=None):
 
 def zoomr_reference(texts, k_top, c, segments_of, ags):
     """ZoomR §3.3 / Algorithm 1 at every semantic boundary; ``segments_of(t)`` gives the closed segments
-    as (R_i positions, S_i positions, positions whose keys are averaged into k̄_i). AG is recorded only
-    with more than max(c, k) segments (with fewer it is fixed by construction)."""
+    as (R_i positions, S_i positions, positions whose keys are averaged into k̄_i). The candidates are the
+    segments that start before the recent window; AG is recorded only with more than max(c, k) of them
+    (with fewer it is fixed by construction)."""
     def ref(q, k, f, s, T, text, att):
         t = s + T - 1
         if f == 0 or not ends_sentence(texts, t - N_PROMPT):
             return None
         segs = segments_of(t)
+        open_start = max([N_PROMPT] + [max(r + s_) + 1 for r, s_, _ in segs])
+        recent = max(N_PROMPT, min(t + 1 - WINDOW, open_start))
+        # only segments starting before the window are voted on: one wholly inside it is attended anyway
+        cand = [i for i, (r, s_, _) in enumerate(segs) if min(r + s_) < recent]
         votes = [0] * len(segs)
         for l in range(L):
             kbar = [[np.mean([k[l, kv, p] for p in key], axis=0) for _, _, key in segs] for kv in range(HKV)]
             for hq in range(H):
-                alpha = [dot(q[l, hq, t], kbar[hq // G][i]) for i in range(len(segs))]
-                for i in sorted(range(len(segs)), key=lambda i: -alpha[i])[:k_top]:
+                alpha = {i: dot(q[l, hq, t], kbar[hq // G][i]) for i in cand}
+                for i in sorted(cand, key=lambda i: -alpha[i])[:k_top]:
                     votes[i] += 1
         voted = [i for i in range(len(segs)) if votes[i] > 0]
         ranked = sorted(voted, key=lambda i: (-votes[i], -i))
         zoom, summ = ranked[:c], ranked[c:]
-        if voted and len(segs) > max(c, k_top):
+        if voted and len(cand) > max(c, k_top):
             ags.append(sum(votes[i] for i in zoom) / sum(votes[i] for i in voted))
-        open_start = max([N_PROMPT] + [max(r + s_) + 1 for r, s_, _ in segs])
         keep = base_context(N_PROMPT, t, WINDOW, open_start)
         for i in zoom:
             keep |= set(segs[i][0])

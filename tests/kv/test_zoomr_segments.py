@@ -51,13 +51,14 @@ def paragraphs(n):
     return ["w", "w", "\n\n"] * n
 
 
-def test_ag_skips_recomputes_with_at_most_max_c_k_segments():
-    # segment_tokens 6: blocks close at "\n\n" from 2 tokens, so each 3-token paragraph is one segment
-    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+def test_ag_skips_recomputes_with_at_most_max_c_k_candidates():
+    # segment_tokens 6: blocks close at "\n\n" from 2 tokens, so each 3-token paragraph is one segment;
+    # a 1-token window leaves every closed segment a candidate
+    policy = ZoomRPolicy(1, 2, 2, "auto", segment_tokens=6)
     drive(policy, paragraphs(2) + ["w", "."] * 2, N_PROMPT)
     assert len(policy.tracker.segments) == 2 and policy.recomputes == 4
     assert policy.ag == [] and policy.stats()["ag_mean"] is None and policy.stats()["ag_recomputes"] == 0
-    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+    policy = ZoomRPolicy(1, 2, 2, "auto", segment_tokens=6)
     drive(policy, paragraphs(5) + ["w", "."] * 2, N_PROMPT, seed=1)
     # the recomputes after the 3rd, 4th and 5th paragraph and at the 2 sentence ends count
     assert len(policy.ag) == 5 and all(0 < a <= 1 for a in policy.ag)
@@ -91,3 +92,28 @@ def test_the_formula_counts_only_the_filled_part_of_the_window_in_a_short_run():
     texts = paragraphs(4)
     drive(policy, texts, N_PROMPT)
     assert policy.stats()["formula_inputs"]["window"] == len(texts)     # 12 generated < w = 64
+
+
+def test_only_segments_that_start_before_the_window_are_voted_and_zoomed():
+    # 3-token paragraphs and an 8-token window: the newest segments lie inside the window, where zooming
+    # them in would add nothing; the votes and the c zoomed slots go to older ones
+    policy = ZoomRPolicy(8, 2, 2, "auto", segment_tokens=6)
+    seen, choose = [], policy.choose
+
+    def spy(recent):
+        zoomed, summarized, votes = choose(recent)
+        seen.append((recent, policy.end, list(policy.tracker.segments), zoomed, votes))
+        return zoomed, summarized, votes
+
+    policy.choose = spy
+    drive(policy, paragraphs(8) + ["w", "."] * 2, N_PROMPT, seed=4)
+    assert len(seen) >= 8
+    inside_seen = 0
+    for recent, end, segs, zoomed, votes in seen:
+        assert recent >= end - 8 - 6 and recent >= N_PROMPT   # the window, or the open segment's start
+        inside = {i for i, s in enumerate(segs) if s.first >= recent}
+        inside_seen += bool(inside)
+        assert not inside & set(votes) and not inside & set(zoomed), (recent, inside, votes)
+        outside = len(segs) - len(inside)
+        assert len(zoomed) == min(2, outside)   # with k = 2 every candidate past the first two gets votes
+    assert inside_seen >= 5   # the case arose: closed segments inside the window were passed over
