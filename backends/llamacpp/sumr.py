@@ -49,7 +49,8 @@ class SumRCells:
     def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None,
                  segment_tokens: int = SEGMENT_TOKENS):
         if not 1 <= window < n_ctx:
-            raise ValueError(f"sumr: --window must be between 1 and -c {n_ctx} - 1 tokens, got {window}")
+            raise ValueError(f"sumr: --window {window} must be between 1 and {n_ctx - 1} tokens (below -c {n_ctx}); "
+                             f"pass a smaller --window or a larger -c")
         self.cap = n_ctx
         self.window = window
         if segment_tokens < 1:

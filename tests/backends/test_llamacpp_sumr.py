@@ -88,3 +88,14 @@ def test_delimited_summaries_stay_and_their_reasoning_goes(sumr):
     assert len(child.policy.tracker.segments) == 1
     for s in (child, seq):
         be.free(s)
+
+
+def test_a_default_window_past_the_context_says_what_to_change():
+    # sumr's default --window (512) with -c 256: the message names both numbers and both ways out
+    from zoomr.backends.llamacpp.sumr import SumRCells
+    from zoomr.kvstore.sumr import SumRConfig
+
+    with pytest.raises(ValueError) as e:
+        SumRCells(256, SumRConfig().window)
+    assert str(e.value) == ("sumr: --window 512 must be between 1 and 255 tokens (below -c 256); "
+                            "pass a smaller --window or a larger -c")
