@@ -5,8 +5,8 @@ Not a test: it runs the model for minutes. Per problem (MATH500, the first ``--l
 ``-n`` tokens greedily (``--ignore-eos``, as ``bench -n N --ignore-eos``); then every configuration is
 teacher-forced on those tokens (:class:`zoomr.evaluation.batching.FidelityJob`), which gives top-1
 agreement, mean KL (nats/token) and the pass's own mean active KV. Each phase (references, ZoomR passes,
-baseline passes) decodes ``-np`` sequences per forward, as ``zoomr bench -np`` does. Each ZoomR configuration's mean active KV
-sets the budget of StreamingLLM and H2O (:func:`zoomr.evaluation.match.predict_budget`, as ``bench
+baseline passes) decodes ``-np`` sequences per forward, as ``zoomr bench -np`` does. Each ZoomR
+configuration's mean active KV sets the budget of StreamingLLM and H2O (:func:`zoomr.evaluation.match.predict_budget`, as ``bench
 --match-budget``), so the three are compared at equal memory. Also prints ZoomR §3.5's memory-saving formula
 on the measured lengths beside the measured saving (full / mean active tokens over the same pass).
 
@@ -51,6 +51,8 @@ class Pass:
         self.job = FidelityJob(self.view, prompt, ref)
 
     def row(self) -> dict:
+        """``fidelity_top1``, ``fidelity_kl`` (nats/token), ``fidelity_tokens``, ``fidelity_mean_active_tokens``,
+        the policy's name and its end-of-pass statistics (``extra``: saving, §3.5 formula, ...)."""
         return {**self.job.result, "fidelity_mean_active_tokens": round(self.job.mean_active_tokens, 2),
                 "policy": self.view.policy_name, "extra": self.stats}
 
@@ -132,8 +134,8 @@ def main() -> None:
                         for p in ["zoomr", *baselines]}
         # bench's ratio: mean active / mean full KV over the same decode steps (1 / saving)
         summary[key]["active_over_full"] = round(statistics.fmean(1 / r["measured_saving"] for r in mine), 4)
-        summary[key]["saving_formula"] = round(statistics.fmean(r["zoomr"]["extra"].get("saving_formula", 0)
-                                                                for r in mine), 3)
+        formula = [r["zoomr"]["extra"].get("saving_formula") for r in mine]
+        summary[key]["saving_formula"] = None if None in formula else round(statistics.fmean(formula), 3)
         print(f"{key}: {summary[key]}", flush=True)
     write_json({"n_predict": args.n, "limit": args.limit, "rows": rows, "summary": summary}, args.json)
 

@@ -26,6 +26,7 @@ Source: ZoomR paper §3.3 and Algorithm 1.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 
@@ -126,12 +127,22 @@ class ZoomRPolicy(SegmentedPolicy):
         self.mean_keys = new if self.mean_keys is None else torch.cat([self.mean_keys, new], dim=2)
 
     def candidates(self, recent: int) -> int:
-        """C, the closed segments that start before position ``recent`` (the first of I_w): segments close
-        in position order, so they are the first C."""
-        return sum(1 for s in self.tracker.segments if s.first < recent)
+        """C, how many closed segments start before position ``recent`` (the first of I_w, tokens).
+
+        Segments close in position order, so the candidates are the first C (found by bisection).
+        Source: ZoomR §3.5 (the c zoomed paragraphs count on top of the window N_w).
+        """
+        return bisect.bisect_left(self.tracker.segments, recent, key=lambda s: s.first)
 
     def votes(self, recent: int) -> torch.Tensor:
-        """v_i for every closed segment, [S] int64 (CPU): 0 for those wholly inside I_w (from ``recent`` on)."""
+        """v_i for every closed segment, ZoomR §3.3: each (layer, query head) votes for its top-k candidates.
+
+        Args:
+            recent: first position of I_w (tokens); segments starting there or later get no votes.
+        Returns:
+            [S] int64 on the CPU, S = closed segments; all zeros before every layer has a query.
+        Side effect: :attr:`n_candidates` = C, read by :meth:`record` for the same recompute.
+        """
         S = 0 if self.mean_keys is None else self.mean_keys.shape[2]
         v = torch.zeros(S, dtype=torch.long)
         C = self.n_candidates = self.candidates(recent)
