@@ -72,6 +72,8 @@ def test_live_display_prints_each_zoom_event(capsys, live):
     captured = capsys.readouterr()
     assert "⟲ zoomr @120: zoom in [3, 5] · summaries [1, 2, 4] · AG 0.80 · 180 tok active · 6 segments (paragraphs)" \
         in captured.err and not captured.out
+    bus.emit(RecomputeEvent("zoomr", 135, [0], [], {0: 60}, None, 136, 1, "paragraphs"))
+    assert "136 tok active · 1 segment (paragraphs)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from rich.markup import escape
 from zoomr.backends.base import KVStats
 from zoomr.kvstore.events import EventBus, RecomputeEvent
 
-from zoomr.cli.render import mib
+from zoomr.cli.render import count, mib
 
 
 def attach_live_events(bus: EventBus | None, out) -> bool:
@@ -46,7 +46,7 @@ def policy_line(kv: KVStats) -> str | None:
     if "summaries_mode" in x:
         ran = x["summaries_mode"]
         parts.append(f"summaries: {ran} (--summaries {x['summaries_option']})")
-        parts.append(f"{x['segments']} segments · {x['recomputes']} recomputes")
+        parts.append(f"{count(x['segments'], 'segment')} · {count(x['recomputes'], 'recompute')}")
     if x.get("ag_mean") is not None:
         parts.append(f"AG {x['ag_mean']:.3f} ± {x['ag_std']:.3f}")
     parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
