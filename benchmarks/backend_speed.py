@@ -9,8 +9,10 @@ drifts from one second to the next moves both sides of a ratio together. The per
 in the JSON (``rounds``).
 
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
-(``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, and ``fp16w`` (``--quant fp16``:
-fp16 weights in fbgemm's fp32-compute GEMM, x86 CPUs only). ``--json PATH`` writes the rows:
+(``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, ``int4c`` (``int4`` with
+``--compile``: decode steps through ``torch.compile``) and ``fp16w`` (``--quant fp16``: fp16 weights in fbgemm's
+fp32-compute GEMM, x86 CPUs only). A row's ``first_decode_s`` is its first decode step in seconds (where a
+compiled row compiles). ``--json PATH`` writes the rows:
 ``engine``, ``prefill_tok_s``, ``decode_tok_s`` (medians over rounds), ``prefill_ratio`` and ``decode_ratio``
 (medians of the per-round ratios to llama.cpp), ``weight_MiB``, ``dtype``, ``kv_dtype``, ``rounds``.
 ``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32 on a CPU), e.g. to compare fp32 and
@@ -35,9 +37,10 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer.encode(text, add_bos=False, special=False)[:n]
 
 
-# row name → (--dtype, --quant)
-ROWS = {"fp32": ("fp32", "none"), "fp16": ("fp16", "none"), "bf16": ("bf16", "none"), "int8": ("auto", "int8"),
-        "int4": ("auto", "int4"), "fp16w": ("auto", "fp16")}
+# row name → (--dtype, --quant, --compile)
+ROWS = {"fp32": ("fp32", "none", False), "fp16": ("fp16", "none", False), "bf16": ("bf16", "none", False),
+        "int8": ("auto", "int8", False), "int4": ("auto", "int4", False), "int4c": ("auto", "int4", True),
+        "fp16w": ("auto", "fp16", False)}
 
 
 class TorchRow:
@@ -46,15 +49,18 @@ class TorchRow:
     def __init__(self, source, row: str, n_ctx: int, threads: int, device: str, kv_dtype: str = "auto"):
         from zoomr.backends.torch.engine import TorchBackend
 
-        dtype, quant = ROWS[row]
+        dtype, quant, compiled = ROWS[row]
         self.be = be = TorchBackend(source, device=device, dtype=dtype, n_ctx=n_ctx, threads=threads, quant=quant,
-                                    kv_dtype=kv_dtype)
+                                    kv_dtype=kv_dtype, compile=compiled)
         self.info = {"engine": f"torch {row}", "weight_MiB": be.model.weight_bytes() / 2**20,
                      "dtype": str(be.dtype).replace("torch.", ""), "kv_dtype": str(be.kv_dtype).replace("torch.", ""),
                      "weights": be.model.weight_summary()}
         self.seq = None            # the round's sequence (start() frees the last one)
-        warm = be.new_sequence()   # warm-up: allocator, prefill and decode kernels
+        warm = be.new_sequence()   # warm-up: allocator, prefill and decode kernels (a compiled row compiles here)
         be.prefill(warm, [1] * 16)
+        t = time.perf_counter()
+        be.decode(warm, 1)
+        self.info["first_decode_s"] = time.perf_counter() - t
         for _ in range(4):
             be.decode(warm, 1)
         be.free(warm)

@@ -53,7 +53,7 @@ def _torch(opts: RunOptions) -> Backend:
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
     return TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
                         threads=opts.threads, cache_factory=factory, quant=opts.quant,
-                        kv_dtype=opts.kv_dtype)
+                        kv_dtype=opts.kv_dtype, compile=opts.compile)
 
 
 def with_policy(backend: Backend, opts: RunOptions) -> Backend:
@@ -140,10 +140,11 @@ def check_quant_option(opts: RunOptions) -> None:
 
 
 def check_kv_dtype_option(opts: RunOptions) -> None:
-    """``--kv-dtype`` names a dtype, and one other than ``auto`` only on the torch backend.
+    """``--kv-dtype`` names a dtype, and one other than ``auto`` only on the torch backend; so does ``--compile``.
 
     Raises:
-        UserError: an unknown name, or a dtype given with ``--backend llamacpp`` (whose KV type is its own).
+        UserError: an unknown name, or a dtype given with ``--backend llamacpp`` (whose KV type is its own);
+            ``--compile`` with ``--backend llamacpp``.
     """
     from zoomr.backends.torch.engine import check_kv_dtype
 
@@ -153,6 +154,8 @@ def check_kv_dtype_option(opts: RunOptions) -> None:
         raise UserError(str(e)) from None
     if opts.kv_dtype != "auto" and opts.backend != "torch":
         raise UserError(f"--kv-dtype {opts.kv_dtype} applies to the torch backend")
+    if opts.compile and opts.backend != "torch":
+        raise UserError("--compile applies to the torch backend (llama.cpp runs its own kernels)")
 
 
 def check_lengths(opts: RunOptions) -> None:

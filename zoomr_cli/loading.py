@@ -28,8 +28,9 @@ def load(model: str | None = None, *, policy: str = "full", backend: str = "torc
             :mod:`zoomr.kvstore.registry`).
         backend: ``torch`` (every policy) or ``llamacpp``.
         **options: the other model settings, named as :class:`zoomr.options.RunOptions` fields
-            (``ctx_size`` in tokens, ``threads``, ``device``, ``dtype``, ``quant``, ``n_gpu_layers``), and the policy's
-            knobs, named as its flags (``budget``, ``window``, ...: README's policy table).
+            (``ctx_size`` in tokens, ``threads``, ``device``, ``dtype``, ``quant``, ``kv_dtype``, ``compile``,
+            ``n_gpu_layers``), and the policy's knobs, named as its flags (``budget``, ``window``, ...: README's
+            policy table).
     Returns:
         a :class:`zoomr.backends.base.Backend` (prefill, decode, fork, free, kv_stats; pass it to
         :func:`zoomr.solve` or :func:`zoomr.run_rescue`).

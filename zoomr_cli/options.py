@@ -33,6 +33,8 @@ class RunOptions:
     quant: str = "auto"
     # torch: KV cache / attention dtype (auto: fp32 on a CPU, the compute dtype on CUDA)
     kv_dtype: str = "auto"
+    # torch: decode steps through torch.compile (off: on the CPUs measured it paid nothing)
+    compile: bool = False
     temp: Optional[float] = None
     # KV-Rescue's (arXiv:2608.15797) top-k for every command: solve and bench run --rescue with it, and
     # bench records it; greedy runs (--temp 0) do not read it. llama.cpp's own default is 40.

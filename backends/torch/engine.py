@@ -146,6 +146,9 @@ class TorchBackend:
         threads: CPU threads for torch (``-t``); None keeps torch's default.
         cache_factory: builds the KV cache of each new sequence; default full KV on the device.
         kv_dtype: "auto" (see :func:`pick_kv_dtype`), "fp32", "bf16", "fp16": the KV cache's and attention's dtype.
+        compile: decode steps run the layers' math through ``torch.compile`` (``--compile``; see
+            :func:`zoomr.backends.torch.model.compiled_blocks`), compiled here at load (seconds to a minute on
+            a CPU; inductor caches its kernels on disk for the next load).
     Raises:
         backends.torch.weights.ModelLoadError: unreadable weights.
         ValueError: bad device/dtype/quant, n_ctx < 1, tokenizer/model vocabulary mismatch.
@@ -155,7 +158,7 @@ class TorchBackend:
 
     def __init__(self, source: ModelSource, device: str = "auto", dtype: str = "auto", n_ctx: int = 4096,
                  threads: int | None = None, cache_factory: CacheFactory | None = None, quant: str = "auto",
-                 kv_dtype: str = "auto"):
+                 kv_dtype: str = "auto", compile: bool = False):
         if n_ctx < 1:
             raise ValueError(f"-c must be >= 1, got {n_ctx}")
         check_quant(quant)
@@ -179,12 +182,22 @@ class TorchBackend:
             raise ValueError(f"{source.path}: tokenizer has {self.tokenizer.vocab_size} ids, model {cfg.vocab}")
         self.cfg = cfg
         self.model = Decoder(cfg, tensors, self.device, self.dtype, quant=self.quant,
-                             kv_dtype=pick_kv_dtype(kv_dtype, self.device, self.dtype))
+                             kv_dtype=pick_kv_dtype(kv_dtype, self.device, self.dtype), compile=compile)
         self.kv_dtype = self.model.kv_dtype
         del tensors
         self.n_ctx = n_ctx
         self.cache_factory = cache_factory or _full_cache
         self.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+        if compile:
+            self._compile_now()
+
+    def _compile_now(self) -> None:
+        # compiling at load keeps it out of the first decode's time (and out of its tok/s): one step at one row
+        # compiles the static graphs, one at two rows the dynamic-row ones every later batch size reuses
+        seqs = [TorchSequence(_full_cache(self)) for _ in range(2)]
+        self.forward_batch(seqs, [[0, 0], [0]])
+        self.forward_batch(seqs[:1], [[0]])
+        self.forward_batch(seqs, [[0], [0]])
 
     def with_cache_factory(self, cache_factory: CacheFactory | None) -> "TorchBackend":
         """A view of this backend sharing weights and tokenizer whose new sequences use ``cache_factory``
@@ -210,7 +223,8 @@ class TorchBackend:
         over = (f" · -c {self.n_ctx} is past the trained context of {self.cfg.max_ctx} positions (extrapolated)"
                 if self.n_ctx > self.cfg.max_ctx else "")
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}{kv}"
-                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers{over}")
+                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers"
+                f"{' · compiled decode' if self.model.compiled else ''}{over}")
 
     def new_sequence(self) -> TorchSequence:
         """An empty sequence with a fresh cache from the cache factory."""

@@ -9,6 +9,9 @@ Source: the HF ``transformers`` Llama and Qwen2 modelling code (architecture fac
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +69,109 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
     return out.reshape(H, T, d)
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer's math needs besides its weights: heads, head size (tokens' d), RMSNorm epsilon, dtypes."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    dtype: torch.dtype      # the linears' compute dtype
+    kv_dtype: torch.dtype   # queries, keys, values, RoPE
+
+
+def attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
+            shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to attention: RMSNorm, fused QKV projection, RoPE on q and k.
+
+    Args:
+        x: [S, hidden] float32 residual stream; cos, sin: [S, d] from :class:`RotaryTable`.
+    Returns:
+        q [H, S, d], k [Hkv, S, d], v [Hkv, S, d] in ``shape.kv_dtype``.
+    """
+    H, Hkv, d, S = shape.n_heads, shape.n_kv_heads, shape.head_dim, x.shape[0]
+    h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, shape.eps).to(shape.dtype)
+    qkv = L.qkv(h).to(shape.kv_dtype)
+    # q and k rotate together: one rotation per layer instead of two
+    qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d).transpose(0, 1), cos, sin)
+    v = qkv[:, (H + Hkv) * d:].view(S, Hkv, d).transpose(0, 1)
+    return qk[:H], qk[H:], v
+
+
+def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: "_Layer", shape: LayerShape) -> torch.Tensor:
+    """A layer after attention: output projection and residual, RMSNorm, SwiGLU MLP and residual.
+
+    Args:
+        x: [S, hidden] float32 residual stream (not modified); o: [S, H * d] attention output in ``shape.dtype``.
+    Returns:
+        the new [S, hidden] float32 residual stream.
+    """
+    x = x + L.o(o)
+    h = F.rms_norm(x, (x.shape[-1],), L.mlp_norm, shape.eps).to(shape.dtype)
+    # SiLU(gate)·up in fp32 whatever the compute dtype: rounding that product to bf16 alone cost the int4
+    # path 3 of 512 top-1 agreements with llama.cpp (0.9766 → 0.9824 once in fp32), for two casts a layer
+    gate, up = L.gate_up(h).float().chunk(2, dim=-1)
+    return x + L.down((F.silu(gate) * up).to(shape.dtype))
+
+
+_EAGER = (attn_in, attn_out_mlp)
+
+
+class _CompiledOrEager:
+    """``torch.compile(fn)``, falling back to ``fn`` itself for good if compiling fails at the first call (a
+    missing or broken C++ toolchain, an op inductor cannot lower): ``fn`` has no side effects, so the call is
+    simply run again eagerly, after one warning line on stderr."""
+
+    def __init__(self, fn):
+        self.eager, self.fn = fn, torch.compile(fn, fullgraph=True)
+
+    def __call__(self, *args):
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import InductorError
+
+        try:
+            return self.fn(*args)
+        except (BackendCompilerFailed, InductorError) as e:
+            if self.fn is self.eager:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"zoomr: warning: --compile failed ({first[:160]}); decoding eagerly", file=sys.stderr)
+            self.fn = self.eager
+            return self.fn(*args)
+
+
+def compiled_blocks() -> tuple:
+    """:func:`attn_in` and :func:`attn_out_mlp` through ``torch.compile`` (inductor, whole graphs).
+
+    Every layer shares the two graphs (the weights are graph inputs, not constants), so the first decode step
+    compiles two graphs, not one per layer; a second batch size recompiles them once with a dynamic row count.
+    Attention stays eager between them: it reads each sequence's own KV policy. On a CPU inductor builds C++
+    kernels (:func:`check_compile` looks for a compiler first). Measured on a 2-core AVX512 CPU (SmolLM2-135M,
+    int4, ``benchmarks/backend_speed.py --rows int4,int4c``) the compiled steps decoded slower than eager ones
+    (README "torch.compile"), hence opt-in (``--compile``); on CUDA the fused elementwise kernels are what it
+    is for (not measured yet).
+
+    Source: ``torch.compile`` (PyTorch 2 inductor); compiling the model's math but not the cache bookkeeping
+    follows gpt-fast and nano-vllm.
+    """
+    return (_CompiledOrEager(attn_in), _CompiledOrEager(attn_out_mlp))
+
+
+def check_compile(device: torch.device) -> None:
+    """``--compile`` can work here: on a CPU, inductor needs a C++ compiler (``$CXX``, else g++, clang++ or c++).
+
+    Raises:
+        ValueError: a CPU device and no C++ compiler on the PATH.
+    """
+    if device.type != "cpu":
+        return
+    cxx = os.environ.get("CXX")
+    if not any(shutil.which(c) for c in ([cxx] if cxx else []) + ["g++", "clang++", "c++"]):
+        raise ValueError("--compile on a CPU needs a C++ compiler (torch.compile builds C++ kernels) and none "
+                         "was found: install g++ or set CXX, or run without --compile")
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor   # [hidden]
@@ -89,12 +195,22 @@ class Decoder:
             ``int4``: see :func:`~zoomr.backends.torch.quant.make_linear`).
         kv_dtype: dtype of the KV cache and of attention (queries, keys, values, RoPE); None:
             :func:`default_kv_dtype`. The linears always run in ``dtype``.
+        compile: decode steps run :func:`compiled_blocks` (``--compile``; the first step then compiles).
+    Raises:
+        ValueError: ``compile`` on a CPU without a C++ compiler (:func:`check_compile`).
     """
 
     def __init__(self, cfg: ModelConfig, tensors: dict, device: torch.device, dtype: torch.dtype,
-                 quant: str = "none", kv_dtype: torch.dtype | None = None):
+                 quant: str = "none", kv_dtype: torch.dtype | None = None, compile: bool = False):
         self.cfg, self.device, self.dtype, self.quant = cfg, device, dtype, check_quant(quant)
         self.kv_dtype = kv_dtype or default_kv_dtype(device, dtype)
+        self._shape = LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps, dtype, self.kv_dtype)
+        # decode steps (one new token per sequence) run the compiled layer math; prefill stays eager, as its
+        # row count changes with every prompt
+        self.compiled = compile
+        if compile:
+            check_compile(device)
+        self._blocks = compiled_blocks() if compile else _EAGER
 
         def t(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
             w = tensors[name]
@@ -236,15 +352,12 @@ class Decoder:
         # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
         x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
+        shape = self._shape
+        attn_in, attn_out_mlp = self._blocks if attention == "padded" or S == len(lengths) else _EAGER
         o = torch.empty(S, H * d, device=x.device, dtype=self.dtype)
         masks: dict[tuple[int, int], torch.Tensor] = {}  # layers attending the same N share one causal mask
         for li, L in enumerate(self.layers):
-            h = self._rms(x, L.attn_norm)
-            qkv = L.qkv(h).to(self.kv_dtype)
-            # q and k rotate together: one rotation per layer instead of two
-            qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d).transpose(0, 1), cos, sin)
-            q, k = qk[:H], qk[H:]                                             # [H, S, d], [Hkv, S, d]
-            v = qkv[:, (H + Hkv) * d:].view(S, Hkv, d).transpose(0, 1)
+            q, k, v = attn_in(x, L, cos, sin, shape)                         # [H, S, d], [Hkv, S, d] x2
             if attention == "padded":
                 self._attend_padded(li, q, k, v, caches, o)
             else:
@@ -268,12 +381,7 @@ class Decoder:
                     else:
                         ob = attend_parts(q[:, a:b], parts, mask)
                     o[a:b] = ob.transpose(0, 1).reshape(T, H * d)
-            x += L.o(o)   # in place: x is this forward's own fp32 stream (the embedding rows were copied)
-            h = self._rms(x, L.mlp_norm)
-            # SiLU(gate)·up in fp32 whatever the compute dtype: rounding that product to bf16 alone cost the int4
-            # path 3 of 512 top-1 agreements with llama.cpp (0.9766 → 0.9824 once in fp32), for two casts a layer
-            gate, up = L.gate_up(h).float().chunk(2, dim=-1)
-            x += L.down((F.silu(gate) * up).to(self.dtype))
+            x = attn_out_mlp(x, o, L, shape)
         if not all_logits:
             x = x[[b - 1 for _, b in bounds]] if len(bounds) > 1 else x[-1:]
         if isinstance(self.lm_head, ExactTopHead) and not return_hidden:   # it re-scores from the fp32 states

@@ -22,7 +22,7 @@ def one_line(err: str) -> str:
 
 @pytest.mark.parametrize("args,needles", [
     (["solve", "--nope"], ["solve: no such option --nope"]),
-    (["solve", "--top-kk", "3"], ["no such option --top-kk", "did you mean", "--top-k"]),
+    (["solve", "--top-kk", "3"], ["no such option --top-kk; did you mean --top-k"]),   # the closest first
     (["solve", "--topk-per-hed", "3"], ["--topk-per-head"]),
     (["chat", "--nope"], ["chat: no such option --nope"]),
     (["bench", "--nope"], ["bench: no such option --nope"]),
@@ -59,7 +59,7 @@ def test_console_script_parse_error_and_debug_usage():
     r = zoomr("solve", "--nope", "x.txt")
     assert r.returncode == 2 and r.stdout == ""
     assert one_line(r.stderr) == ("zoomr: error: solve: no such option --nope; "
-                                  "did you mean --no-live, --top-k or --top-p?")
+                                  "did you mean --no-live, --compile or --top-p?")
     # ZOOMR_DEBUG=1 shows click's usage block as well, then the same line
     r = subprocess.run(zoomr_cmd() + ["solve", "--nope"], capture_output=True, text=True, cwd=ROOT,
                        env={**ENV, "ZOOMR_DEBUG": "1"}, timeout=120)

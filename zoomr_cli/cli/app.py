@@ -77,7 +77,7 @@ def usage_line(e, argv: list[str]) -> str:
             # answer bench's flag): match the visible ones the same way
             shown = [n for p in params if not getattr(p, "hidden", False) for n in getattr(p, "opts", [])
                      if n.startswith("-")]
-            near = sorted(difflib.get_close_matches(e.option_name, shown))   # sorted, as click lists them
+            near = difflib.get_close_matches(e.option_name, shown)   # closest first
         return f"{where}no such option {e.option_name}" + (f"; did you mean {_or_list(near)}?" if near else "")
     group = getattr(ctx, "command", None) if ctx is not None else None
     commands = sorted(getattr(group, "commands", None) or {})

@@ -52,6 +52,9 @@ _OPTION_DECLS = {
     "kv_dtype": (str, typer.Option("--kv-dtype", help="torch KV cache and attention dtype: auto (fp32 on a CPU, "
                                    "where half-precision attention runs slower; the compute dtype on CUDA), fp32, "
                                    "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
+    "compile": (bool, typer.Option("--compile", help="torch: run decode steps' layer math through torch.compile "
+                                   "(the first step compiles, seconds to a minute; measured no faster on a CPU).",
+                                   rich_help_panel=PANEL_MODEL)),
     "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
     "top_p": (float, typer.Option("--top-p", help="Top-p (nucleus) filter, in (0, 1].", rich_help_panel=PANEL_SAMPLING)),

@@ -1,0 +1,90 @@
+"""``--compile``: decode steps through ``torch.compile`` follow the eager ones, fall back when compiling fails,
+and refuse what cannot work with one error line."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ENV, ROOT, assert_one_line_error, zoomr, zoomr_cmd
+from zoomr.backends.torch.model import _CompiledOrEager
+
+
+def greedy(be, ids: list[list[int]], steps: int) -> tuple[list[list[int]], np.ndarray]:
+    """Greedy tokens of each prompt decoded together (one batch), and the stacked [steps, B, vocab] logits."""
+    seqs = [be.new_sequence() for _ in ids]
+    logits = be.forward_batch(seqs, ids).float().cpu().numpy()
+    toks, rows = [[] for _ in ids], []
+    for _ in range(steps):
+        nxt = [int(x) for x in logits.argmax(-1)]
+        for out, t in zip(toks, nxt):
+            out.append(t)
+        logits = be.forward_batch(seqs, [[t] for t in nxt]).float().cpu().numpy()
+        rows.append(logits)
+    return toks, np.stack(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["full", "zoomr"])
+def test_compiled_decode_follows_eager(policy):
+    import zoomr as api
+    from torch._dynamo.utils import counters
+
+    prompts = [list(range(200, 290)), list(range(900, 960))]   # ragged: two lengths in one batch
+    knobs = {"window": 32} if policy == "zoomr" else {}   # a short window: ZoomR selects within 24 steps
+    eager = api.load(policy=policy, ctx_size=512, **knobs)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = api.load(policy=policy, ctx_size=512, compile=True, **knobs)
+    assert "compiled decode" in compiled.describe() and "compiled" not in eager.describe()
+    if policy == "full":   # the first load compiles (later ones reuse the graphs of this process)
+        assert counters["stats"]["unique_graphs"] >= graphs + 2
+    t_eager, l_eager = greedy(eager, prompts, 24)
+    t_comp, l_comp = greedy(compiled, prompts, 24)
+    assert t_comp == t_eager
+    # bf16 linears: fused kernels round differently, so logits agree to bf16's resolution, not bit for bit
+    for step in range(l_eager.shape[0]):
+        for b in range(len(prompts)):
+            top = np.argsort(-l_eager[step, b])[:20]
+            assert np.abs(l_eager[step, b, top] - l_comp[step, b, top]).max() < 0.3
+
+
+def test_failed_compile_falls_back_to_eager(monkeypatch, capsys):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)   # a cached kernel would need no compiler
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (os.path.join(ROOT, "no-such-compiler++"),))
+    torch._dynamo.reset()
+
+    def scaled_tanh(x):
+        return torch.tanh(x * 3.0) + 1.0
+
+    f = _CompiledOrEager(scaled_tanh)
+    x = torch.linspace(-1, 1, 11)
+    torch.testing.assert_close(f(x), scaled_tanh(x))
+    assert f.fn is f.eager                       # later calls skip the compiler
+    err = capsys.readouterr().err
+    assert err.count("zoomr: warning: --compile failed") == 1 and "decoding eagerly" in err
+    torch.testing.assert_close(f(x * 2), scaled_tanh(x * 2))
+    torch._dynamo.reset()
+
+
+def test_compile_refused_on_llamacpp():
+    r = zoomr("solve", "--compile", "--backend", "llamacpp", "examples/problem.txt")
+    assert_one_line_error(r)
+    assert "--compile applies to the torch backend" in r.stderr
+
+
+def test_compile_without_a_cxx_compiler_is_one_line(tmp_path):
+    import subprocess
+
+    bare = tmp_path / "bin"   # a PATH holding only this interpreter: no g++, clang++ or c++
+    bare.mkdir()
+    os.symlink(sys.executable, bare / "python")
+    env = {**ENV, "PATH": str(bare)}
+    env.pop("CXX", None)
+    r = subprocess.run(zoomr_cmd() + ["solve", "--compile", "-n", "4", "examples/problem.txt"], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=ROOT)
+    assert_one_line_error(r)
+    assert "needs a C++ compiler" in r.stderr
