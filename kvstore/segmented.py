@@ -5,9 +5,10 @@ Source: ZoomR paper §3.3–3.4 and Algorithm 1. The selection is
     I_f = I_p ∪ I_w ∪ ⋃_{i∈zoomed} R_i ∪ ⋃_{i∈summarized} S_i
 
 where I_p is the prompt (the sequence's first forward, kept whole as the attention sink) and I_w the
-last ``window`` generated positions. It is recomputed only after a token whose text ends at a
-semantic boundary (:func:`zoomr.kvstore.segments.ends_at_boundary`); in between, new tokens are appended to
-the active set and attended. The segment still being written (and, in ``model`` mode, the regular
+last ``window`` generated positions. It is recomputed after a token whose text ends at a semantic
+boundary, or once ``segment_tokens`` tokens have gone by without one
+(:func:`zoomr.kvstore.segments.recompute_due`); in between, new tokens are appended to the active set and
+attended. The segment still being written (and, in ``model`` mode, the regular
 segment whose summary is being written) is kept whole beside the window, as the paper's I_w covers it
 (§3.3: the recent window holds the tokens being reasoned over): a 250-token paragraph and its summary
 must not lose their start to a 128-token window. In ``auto``/``prompted`` mode that part is at most
@@ -23,7 +24,7 @@ import torch
 
 from .events import RecomputeEvent
 from .policy import ForwardInfo, KVPolicy
-from .segments import Segment, SegmentTracker, ends_at_boundary
+from .segments import Segment, SegmentTracker, recompute_due
 
 # SumR's and ZoomR's default --window (tokens) and where it comes from
 WINDOW = 512
@@ -39,7 +40,8 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
     Args:
         window: w, recent generated positions always kept (tokens, ≥ 1).
         summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
-        segment_tokens: the longest block in ``auto``/``prompted`` mode (tokens, ≥ 1); blocks close at a
+        segment_tokens: the longest block in ``auto``/``prompted`` mode, and the most tokens between two
+            recomputes in every mode (tokens, ≥ 1); blocks close at a
             paragraph end from a third of it (:func:`zoomr.kvstore.segments.default_min_segment`).
     Raises:
         ValueError: window < 1, segment_tokens < 1 or an unknown summaries mode.
@@ -58,20 +60,23 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         self.n_prompt: int | None = None
         self.end = 0                       # positions written so far (prompt + generated)
         self.recomputes = 0
+        self.segment_tokens = segment_tokens
+        self._last_recompute = 0           # ``end`` at the last recompute (the prompt's end before the first)
         self._tail = ""
 
     def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
         """Track segments; at a semantic boundary, choose segments and return the new selection."""
         self.end = fwd.end
         if self.n_prompt is None:
-            self.n_prompt = fwd.end
+            self.n_prompt = self._last_recompute = fwd.end
             return None
         closed = self.tracker.push(fwd.start, fwd.text, len(fwd.token_ids))
         if closed:
             self.on_closed(closed)
         self._tail = (self._tail + fwd.text)[-8:]
-        if not ends_at_boundary(self._tail):
+        if not recompute_due(self._tail, fwd.end - self._last_recompute, self.segment_tokens):
             return None
+        self._last_recompute = fwd.end
         recent = max(self.n_prompt, min(fwd.end - self.window, self.tracker.open_start))
         zoomed, summarized, votes = self.choose(recent)
         keep = set(range(self.n_prompt)) | set(range(recent, fwd.end))

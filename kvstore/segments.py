@@ -55,6 +55,15 @@ def ends_at_boundary(text: str) -> bool:
     return text.rstrip(" \t").endswith(BOUNDARY_SUFFIXES)
 
 
+def recompute_due(tail: str, tokens_since: int, segment_tokens: int) -> bool:
+    """Whether SumR/ZoomR re-select now: ``tail`` (the last few characters written) ends at a semantic
+    boundary (:func:`ends_at_boundary`, ZoomR App. A.3), or ``tokens_since`` ≥ ``segment_tokens`` tokens were
+    written since the last selection without one. The second is zoomr's: text with no sentence end (a long run
+    of equations, one a line) would otherwise keep every new token active until the end of the run; a block
+    of ``--summaries auto`` is cut at that length anyway."""
+    return ends_at_boundary(tail) or tokens_since >= segment_tokens
+
+
 def edge_strength(left: str, right: str) -> int:
     """How good a segment edge between the text ``left`` and the next token's text ``right`` is.
 

@@ -20,14 +20,14 @@ import copy
 
 from zoomr.kvstore.events import EventBus, RecomputeEvent
 from zoomr.kvstore.segmented import SEGMENT_TOKENS
-from zoomr.kvstore.segments import SegmentTracker, ends_at_boundary
+from zoomr.kvstore.segments import SegmentTracker, recompute_due
 
 
 class SumRCells:
     """Prompt + the summary S_i of every closed segment + the ``window`` most recent generated tokens.
 
     The first :meth:`observe` of a sequence is its prompt. Later ones feed the segment tracker; when
-    the text so far ends at a semantic boundary the engine evicts every resident position outside the
+    the text so far ends at a semantic boundary (or ``segment_tokens`` tokens went by without one) the engine evicts every resident position outside the
     selection (one ``seq_rm`` + ``seq_add`` per evicted run). At the cap (``-c``) it evicts the same
     way, or reports a full context when nothing is evictable.
 
@@ -36,8 +36,8 @@ class SumRCells:
         window: w, recent generated tokens always kept (tokens, 1 ≤ w < n_ctx).
         summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
         events: where a :class:`RecomputeEvent` goes at every recompute (live display), or None.
-        segment_tokens: the longest block in ``auto``/``prompted`` mode (tokens, ≥ 1), as on the torch
-            backend.
+        segment_tokens: the longest block in ``auto``/``prompted`` mode and the most tokens between two
+            evictions (tokens, ≥ 1), as on the torch backend.
     Raises:
         ValueError: window out of range, segment_tokens < 1 or an unknown summaries mode.
     """
@@ -60,17 +60,23 @@ class SumRCells:
         self.n_prompt: int | None = None
         self.end = 0
         self.recomputes = 0
+        self.segment_tokens = segment_tokens
+        self._last_evict = 0               # ``end`` at the last boundary eviction (the prompt's end before one)
         self._tail = ""
 
     def observe(self, start: int, ids: list[int], text: str) -> bool:
-        """Record a forward; True (evict now) when the text ends at a semantic boundary."""
+        """Record a forward; True (evict now) at a semantic boundary, or after ``segment_tokens`` tokens
+        without one (:func:`zoomr.kvstore.segments.recompute_due`, as on the torch backend)."""
         self.end = start + len(ids)
         if self.n_prompt is None:
-            self.n_prompt = self.end
+            self.n_prompt = self._last_evict = self.end
             return False
         self.tracker.push(start, text, len(ids))
         self._tail = (self._tail + text)[-8:]
-        return ends_at_boundary(self._tail)
+        if not recompute_due(self._tail, self.end - self._last_evict, self.segment_tokens):
+            return False
+        self._last_evict = self.end
+        return True
 
     def _kept(self, p: int, summaries: set[int], recent: int) -> bool:
         return p < self.n_prompt or p >= recent or p in summaries

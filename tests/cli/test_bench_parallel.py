@@ -94,9 +94,10 @@ def test_resume_after_parallel_run_in_any_order(runs, tmp_path):
         assert resumed[(rec["problem_id"], rec["policy"], rec["budget"])] == rec
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "-7"])
-def test_parallel_below_one_refused(tmp_path, value):
-    r = subprocess.run(zoomr_cmd() + ["bench", "--limit", "1", "-np", value, "--out", str(tmp_path / "o")],
+@pytest.mark.parametrize("value,flags", [("0", ["-np", "0"]), ("-1", ["-np", "-1"]), ("-7", ["-np", "-7"]),
+                                         ("0", ["-np0"])])   # glued, as -np0: still -np's own check, not -n's
+def test_parallel_below_one_refused(tmp_path, value, flags):
+    r = subprocess.run(zoomr_cmd() + ["bench", "--limit", "1", *flags, "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == f"zoomr: error: -np must be >= 1 parallel sequence, got {value}"
     assert not (tmp_path / "o").exists()

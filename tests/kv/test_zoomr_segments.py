@@ -117,3 +117,32 @@ def test_only_segments_that_start_before_the_window_are_voted_and_zoomed():
         outside = len(segs) - len(inside)
         assert len(zoomed) == min(2, outside)   # with k = 2 every candidate past the first two gets votes
     assert inside_seen >= 5   # the case arose: closed segments inside the window were passed over
+
+
+@pytest.mark.parametrize("make", [lambda: ZoomRPolicy(8, 2, 1, "auto", segment_tokens=12),
+                                  lambda: SumRPolicy(8, "auto", segment_tokens=12)])
+def test_text_without_boundaries_still_recomputes_every_segment_tokens(make):
+    # no sentence end, no line break: before, nothing was ever re-selected and every token stayed active
+    texts = ["w"] * 144
+    policy = make()
+    _, attended, _, _ = drive(policy, texts, N_PROMPT)
+    assert policy.recomputes == 144 // 12
+    sizes = [len(a[0][0]) for a in attended[1:]]
+    # at most: prompt, window, the open block, one block zoomed in, the 4-token stand-ins of the 12 closed
+    # blocks, and the tokens written since the last recompute
+    bound = N_PROMPT + 8 + 12 + 12 + 4 * 12 + 12
+    assert max(sizes) <= bound < N_PROMPT + 144
+
+
+def test_llamacpp_sumr_evicts_after_segment_tokens_without_a_boundary():
+    from zoomr.backends.llamacpp.sumr import SumRCells
+
+    cells = SumRCells(n_ctx=256, window=8, segment_tokens=6)
+    assert cells.observe(0, list(range(N_PROMPT)), "prompt") is False
+    due = [cells.observe(N_PROMPT + i, [1], "w") for i in range(30)]
+    assert [i for i, d in enumerate(due) if d] == [5, 11, 17, 23, 29]
+    cells = SumRCells(n_ctx=256, window=8, segment_tokens=6)
+    cells.observe(0, list(range(N_PROMPT)), "prompt")
+    due = [cells.observe(N_PROMPT + i, [1], t) for i, t in enumerate(["w", "w", ".", "w", "w", "w", "w", "w"])]
+    assert due == [False, False, True, False, False, False, False, False]   # a boundary restarts the count
+    assert cells.observe(N_PROMPT + 8, [1], "w") is True                     # 6 tokens after it

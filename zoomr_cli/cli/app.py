@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import functools
 import importlib
+import re
 import signal
 import sys
 from importlib import metadata
@@ -176,13 +177,19 @@ def _sigterm_as_ctrl_c():
             signal.signal(signal.SIGTERM, prev)
 
 
+def split_glued_flags(args: list[str]) -> list[str]:
+    """``-np4`` as ``-np 4``: click reads a short flag glued to its value as ``-n p4`` (``-n`` takes a value),
+    which would blame ``-n``; ``-np`` is the one multi-letter short flag, and ``p4`` is never a token count."""
+    return [x for a in args for x in (["-np", a[3:]] if re.fullmatch(r"-np\d+", a) else [a])]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: run the app, turn failures into one stderr line and an exit code.
 
     Exit codes: 0 ok, 1 runtime failure, 2 bad input (usage, files, model, values), 130 Ctrl-C or SIGTERM.
     """
     _register()
-    args = sys.argv[1:] if argv is None else argv
+    args = split_glued_flags(sys.argv[1:] if argv is None else argv)
     try:
         command = typer.main.get_command(app)
         plain_metavars(command)
