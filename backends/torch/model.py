@@ -145,7 +145,8 @@ def compiled_blocks() -> tuple:
     """:func:`attn_in` and :func:`attn_out_mlp` through ``torch.compile`` (inductor, whole graphs).
 
     Every layer shares the two graphs (the weights are graph inputs, not constants), so the first decode step
-    compiles two graphs, not one per layer; a second batch size recompiles them once with a dynamic row count.
+    compiles two graphs, not one per layer, and a second row count recompiles them once with a dynamic one
+    (:class:`~zoomr.backends.torch.engine.TorchBackend` runs both at load).
     Attention stays eager between them: it reads each sequence's own KV policy. On a CPU inductor builds C++
     kernels (:func:`check_compile` looks for a compiler first). Measured on a 2-core AVX512 CPU (SmolLM2-135M,
     int4, ``benchmarks/backend_speed.py --rows int4,int4c``) the compiled steps decoded slower than eager ones
@@ -195,7 +196,7 @@ class Decoder:
             ``int4``: see :func:`~zoomr.backends.torch.quant.make_linear`).
         kv_dtype: dtype of the KV cache and of attention (queries, keys, values, RoPE); None:
             :func:`default_kv_dtype`. The linears always run in ``dtype``.
-        compile: decode steps run :func:`compiled_blocks` (``--compile``; the first step then compiles).
+        compile: decode steps run :func:`compiled_blocks` (``--compile``; compiled at their first call).
     Raises:
         ValueError: ``compile`` on a CPU without a C++ compiler (:func:`check_compile`).
     """
@@ -284,8 +285,8 @@ class Decoder:
         return f"{'/'.join(body)}, head {self.lm_head.kind}"
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # x: the fp32 residual stream; one fused op instead of seven small ones (decode runs 61 per token),
-        # the result in the compute dtype the linears take
+        # the final norm (the layers' own are in attn_in / attn_out_mlp): x is the fp32 residual stream, the
+        # result in the compute dtype the head takes
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_eps).to(self.dtype)
 
     @torch.inference_mode()

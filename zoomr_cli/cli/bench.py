@@ -172,7 +172,8 @@ def bench(
     name, problems = load_problems(dataset, limit)
     out = Path(out_dir or f"bench_out/{Path(name).name.replace('/', '_')}")
     config = {"dataset": name, "model": opts.model or "default", "backend": opts.backend, "dtype": opts.dtype,
-              "quant": opts.quant, "kv_dtype": opts.kv_dtype, "compile": opts.compile, "n_predict": opts.n_predict, "ctx_size": opts.ctx_size,
+              "quant": opts.quant, "kv_dtype": opts.kv_dtype, "compile": opts.compile, "n_predict": opts.n_predict,
+              "ctx_size": opts.ctx_size,
               "sampling": vars(sampling),
               "ignore_eos": opts.ignore_eos,
               "match_budget": match_budget, "fidelity": fidelity,
