@@ -119,26 +119,27 @@ _EAGER = (attn_in, attn_out_mlp)
 
 
 class _CompiledOrEager:
-    """``torch.compile(fn)``, falling back to ``fn`` itself for good if compiling fails at the first call (a
-    missing or broken C++ toolchain, an op inductor cannot lower): ``fn`` has no side effects, so the call is
-    simply run again eagerly, after one warning line on stderr."""
+    """``torch.compile(fn)``, falling back to ``fn`` itself for good if compiling fails (a missing or broken C++
+    toolchain, an op inductor cannot lower): ``fn`` has no side effects, so the call is simply run again
+    eagerly. The functions compiled together share ``state``: one warning line on stderr for all of them, and
+    after one fails the others run eagerly too (``state["failed"]``)."""
 
-    def __init__(self, fn):
-        self.eager, self.fn = fn, torch.compile(fn, fullgraph=True)
+    def __init__(self, fn, state: dict):
+        self.eager, self.fn, self.state = fn, torch.compile(fn, fullgraph=True), state
 
     def __call__(self, *args):
         from torch._dynamo.exc import BackendCompilerFailed
         from torch._inductor.exc import InductorError
 
+        if self.state["failed"]:
+            return self.eager(*args)
         try:
             return self.fn(*args)
         except (BackendCompilerFailed, InductorError) as e:
-            if self.fn is self.eager:
-                raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"zoomr: warning: --compile failed ({first[:160]}); decoding eagerly", file=sys.stderr)
-            self.fn = self.eager
-            return self.fn(*args)
+            self.state["failed"] = True
+            return self.eager(*args)
 
 
 def compiled_blocks() -> tuple:
@@ -156,7 +157,8 @@ def compiled_blocks() -> tuple:
     Source: ``torch.compile`` (PyTorch 2 inductor); compiling the model's math but not the cache bookkeeping
     follows gpt-fast and nano-vllm.
     """
-    return (_CompiledOrEager(attn_in), _CompiledOrEager(attn_out_mlp))
+    state = {"failed": False}
+    return (_CompiledOrEager(attn_in, state), _CompiledOrEager(attn_out_mlp, state))
 
 
 def check_compile(device: torch.device) -> None:
@@ -208,7 +210,6 @@ class Decoder:
         self._shape = LayerShape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rms_eps, dtype, self.kv_dtype)
         # decode steps (one new token per sequence) run the compiled layer math; prefill stays eager, as its
         # row count changes with every prompt
-        self.compiled = compile
         if compile:
             check_compile(device)
         self._blocks = compiled_blocks() if compile else _EAGER
@@ -264,6 +265,11 @@ class Decoder:
                               torch.from_numpy(np.asarray(freq, np.float32)) if freq is not None else None)
         # held in the attention dtype: the rotation then costs no cast per forward (angles computed in float64)
         self.rope = RotaryTable(inv, device, self.kv_dtype, n=min(cfg.max_ctx, 8192))
+
+    @property
+    def compiled(self) -> bool:
+        """Decode steps run compiled graphs: ``compile`` was asked for and compiling has not failed."""
+        return self._blocks is not _EAGER and not self._blocks[0].state["failed"]
 
     def linears(self) -> list[Linear]:
         """Every linear of the model, LM head last."""

@@ -63,13 +63,18 @@ def test_failed_compile_falls_back_to_eager(monkeypatch, capsys):
     def scaled_tanh(x):
         return torch.tanh(x * 3.0) + 1.0
 
-    f = _CompiledOrEager(scaled_tanh)
+    def shifted_sin(x):
+        return torch.sin(x - 0.5) * 2.0
+
+    state = {"failed": False}
+    f, g = _CompiledOrEager(scaled_tanh, state), _CompiledOrEager(shifted_sin, state)
     x = torch.linspace(-1, 1, 11)
     torch.testing.assert_close(f(x), scaled_tanh(x))
-    assert f.fn is f.eager                       # later calls skip the compiler
+    assert state["failed"]                       # later calls, of either function, skip the compiler
+    torch.testing.assert_close(g(x), shifted_sin(x))
+    torch.testing.assert_close(f(x * 2), scaled_tanh(x * 2))
     err = capsys.readouterr().err
     assert err.count("zoomr: warning: --compile failed") == 1 and "decoding eagerly" in err
-    torch.testing.assert_close(f(x * 2), scaled_tanh(x * 2))
     torch._dynamo.reset()
 
 
@@ -91,3 +96,21 @@ def test_compile_without_a_cxx_compiler_is_one_line(tmp_path):
                        text=True, timeout=300, env=env, cwd=ROOT)
     assert_one_line_error(r)
     assert "needs a C++ compiler" in r.stderr
+
+
+def test_a_model_whose_compile_fails_decodes_eagerly_and_says_so(monkeypatch, capsys):
+    import torch._inductor.config as inductor_config
+
+    import zoomr as api
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (os.path.join(ROOT, "no-such-compiler++"),))
+    torch._dynamo.reset()
+    be = api.load(compile=True, ctx_size=128)          # compiles at load: fails there, once
+    assert not be.model.compiled and "compiled" not in be.describe()
+    assert capsys.readouterr().err.count("zoomr: warning: --compile failed") == 1
+    seq = be.new_sequence()
+    be.prefill(seq, [1, 2, 3])
+    assert np.isfinite(be.decode(seq, 4)).all()
+    assert capsys.readouterr().err == ""
+    torch._dynamo.reset()

@@ -24,6 +24,7 @@ def one_line(err: str) -> str:
     (["solve", "--nope"], ["solve: no such option --nope"]),
     (["solve", "--top-kk", "3"], ["no such option --top-kk; did you mean --top-k"]),   # the closest first
     (["solve", "--topk-per-hed", "3"], ["--topk-per-head"]),
+    (["bench", "-np2x"], ["bench: -np/--parallel '2x':"]),   # glued to its value: -np's, not -n's, to blame
     (["chat", "--nope"], ["chat: no such option --nope"]),
     (["bench", "--nope"], ["bench: no such option --nope"]),
     (["solve", "-n", "abc", "x.txt"], ["solve: -n/--n-predict 'abc':", "integer"]),

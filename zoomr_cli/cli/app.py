@@ -179,8 +179,9 @@ def _sigterm_as_ctrl_c():
 
 def split_glued_flags(args: list[str]) -> list[str]:
     """``-np4`` as ``-np 4``: click reads a short flag glued to its value as ``-n p4`` (``-n`` takes a value),
-    which would blame ``-n``; ``-np`` is the one multi-letter short flag, and ``p4`` is never a token count."""
-    return [x for a in args for x in (["-np", a[3:]] if re.fullmatch(r"-np\d+", a) else [a])]
+    which would blame ``-n``; ``-np`` is the one multi-letter short flag, and ``p…`` is never a token count, so
+    ``-np2x`` is ``-np 2x`` too (and refused as -np's value)."""
+    return [x for a in args for x in (["-np", a[3:]] if re.fullmatch(r"-np.+", a) else [a])]
 
 
 def main(argv: list[str] | None = None) -> int:

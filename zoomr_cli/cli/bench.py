@@ -35,7 +35,7 @@ from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
 from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
 from zoomr.options import RunOptions, knob_scope, not_read
-from zoomr.cli.options import model_options
+from zoomr.cli.options import loading_status, model_options
 from zoomr.cli.inputs import unwritable
 from zoomr.cli.render import Output, count
 from zoomr.rescue.plan import RescueOptions
@@ -375,7 +375,7 @@ def _load_for(opts: RunOptions, rescue_plan, config: dict, problems, cells, log:
         UserError / ValueError: a model that cannot load, a prompt over ``-c``, ``-np`` too large for memory.
     """
     rescue_cells = None
-    with ui.status("loading model…"):
+    with ui.status(loading_status(opts)):
         base = build_backend(replace(opts, policy=REFERENCE))
     if rescue_plan is not None:
         with ui.status("loading helper and scorer…"):

@@ -52,8 +52,9 @@ _OPTION_DECLS = {
     "kv_dtype": (str, typer.Option("--kv-dtype", help="torch KV cache and attention dtype: auto (fp32 on a CPU, "
                                    "where half-precision attention runs slower; the compute dtype on CUDA), fp32, "
                                    "bf16, fp16.", rich_help_panel=PANEL_MODEL)),
-    "compile": (bool, typer.Option("--compile", help="torch: run decode steps' layer math through torch.compile "
-                                   "(the first step compiles, seconds to a minute; measured no faster on a CPU).",
+    "compile": (bool, typer.Option("--compile", help="torch: run decode steps' layer math through torch.compile, "
+                                   "compiled at load (seconds to a minute; needs a C++ compiler on a CPU, where it "
+                                   "measured slower than eager).",
                                    rich_help_panel=PANEL_MODEL)),
     "temp": (Optional[float], typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=PANEL_SAMPLING)),
     "top_k": (int, typer.Option("--top-k", help="Top-k filter (0 = off).", rich_help_panel=PANEL_SAMPLING)),
@@ -215,3 +216,8 @@ def refuse_parallel(value: str | None, command: str) -> None:
         rescue = " (solve --rescue batches its candidates by itself)" if command == "solve" else ""
         raise UserError(f"-np/--parallel: zoomr {command} decodes one sequence; zoomr bench runs several in "
                         f"parallel{rescue}")
+
+
+def loading_status(opts: RunOptions) -> str:
+    """The status line shown while a command loads its model (``--compile`` makes that take longer)."""
+    return "loading model and compiling its decode steps (up to a minute)…" if opts.compile else "loading model…"
