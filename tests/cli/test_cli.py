@@ -138,6 +138,17 @@ def test_gpu_layers_note_only_where_ngl_does_nothing(backend, ngl, given):
         assert note.startswith(f"-ngl {ngl} has no effect") and "\n" not in note
 
 
+def test_gpu_layers_note_defers_to_an_explicit_device():
+    import torch
+
+    # --device cuda where torch has no CUDA is refused with its own error: no note saying "runs on the CPU" first
+    assert gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cuda"), True) is None
+    note = gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cpu"), True)
+    assert note == "-ngl 99 has no effect: --device cpu places the model"
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99), True)
+
+
 @pytest.mark.slow
 def test_ngl_on_a_cpu_build_is_named_once():
     from zoomr.backends.llamacpp.runtime import gpu_offload_supported

@@ -137,7 +137,8 @@ def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
     """The line saying that ``-ngl`` has no effect here (None when it has one, or was not given).
 
     ``-ngl N`` (N != 0) moves layers to a GPU only on a llama.cpp build with GPU offload, or for torch
-    where CUDA is present; elsewhere the run is on the CPU whatever N says. ``given``: the user set it.
+    where CUDA is present and ``--device`` is ``auto``; elsewhere the run is on the CPU whatever N says (a
+    ``--device cuda`` without CUDA gets its own error instead). ``given``: the user set it.
     """
     if not given or opts.n_gpu_layers == 0:
         return None
@@ -150,6 +151,8 @@ def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
     elif opts.backend == "torch":
         import torch
 
+        if opts.device != "auto":   # an explicit --device decides alone (and is refused where it cannot run)
+            return f"{flag} has no effect: --device {opts.device} places the model" if opts.device == "cpu" else None
         if not torch.cuda.is_available():
             return f"{flag} has no effect: torch finds no CUDA device, the model runs on the CPU"
     return None

@@ -85,10 +85,10 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     """
     plan = plan_rescue(ropts, opts)
     sampler = Sampler(opts.sampling(default_temp=0.8))
-    for note in plan.notes:
-        out.info(note)
     for flag, flag_opts in (("base", plan.base_opts), ("--helper", plan.helper_opts)):  # before any model loads
         for_flag(flag, check_options, flag_opts)
+    for note in plan.notes:   # after the checks: a refused run prints its error line alone
+        out.info(note)
     with out.status("loading base model…"):
         base = for_flag("base", build_backend, plan.base_opts)
     # the check plain solve makes (zoomr.solving.fit_prompt), before the helper and scorer load
