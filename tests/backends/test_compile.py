@@ -53,11 +53,15 @@ def test_compiled_decode_follows_eager(policy):
             assert np.abs(l_eager[step, b, top] - l_comp[step, b, top]).max() < 0.3
 
 
-def test_failed_compile_falls_back_to_eager(monkeypatch, capsys):
+def no_working_compiler():
+    """inductor set to a C++ compiler that does not exist, with no cached kernel to stand in for it (torch's own
+    ``config.patch``: pytest's monkeypatch would delete, not restore, the settings of torch's config module)."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)   # a cached kernel would need no compiler
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (os.path.join(ROOT, "no-such-compiler++"),))
+    return inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": (os.path.join(ROOT, "no-such-compiler++"),)})
+
+
+def test_failed_compile_falls_back_to_eager(capsys):
     torch._dynamo.reset()
 
     def scaled_tanh(x):
@@ -69,10 +73,11 @@ def test_failed_compile_falls_back_to_eager(monkeypatch, capsys):
     state = {"failed": False}
     f, g = _CompiledOrEager(scaled_tanh, state), _CompiledOrEager(shifted_sin, state)
     x = torch.linspace(-1, 1, 11)
-    torch.testing.assert_close(f(x), scaled_tanh(x))
-    assert state["failed"]                       # later calls, of either function, skip the compiler
-    torch.testing.assert_close(g(x), shifted_sin(x))
-    torch.testing.assert_close(f(x * 2), scaled_tanh(x * 2))
+    with no_working_compiler():
+        torch.testing.assert_close(f(x), scaled_tanh(x))
+        assert state["failed"]                   # later calls, of either function, skip the compiler
+        torch.testing.assert_close(g(x), shifted_sin(x))
+        torch.testing.assert_close(f(x * 2), scaled_tanh(x * 2))
     err = capsys.readouterr().err
     assert err.count("zoomr: warning: --compile failed") == 1 and "decoding eagerly" in err
     torch._dynamo.reset()
@@ -98,15 +103,12 @@ def test_compile_without_a_cxx_compiler_is_one_line(tmp_path):
     assert "needs a C++ compiler" in r.stderr
 
 
-def test_a_model_whose_compile_fails_decodes_eagerly_and_says_so(monkeypatch, capsys):
-    import torch._inductor.config as inductor_config
-
+def test_a_model_whose_compile_fails_decodes_eagerly_and_says_so(capsys):
     import zoomr as api
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (os.path.join(ROOT, "no-such-compiler++"),))
     torch._dynamo.reset()
-    be = api.load(compile=True, ctx_size=128)          # compiles at load: fails there, once
+    with no_working_compiler():
+        be = api.load(compile=True, ctx_size=128)      # compiles at load: fails there, once
     assert not be.model.compiled and "compiled" not in be.describe()
     assert capsys.readouterr().err.count("zoomr: warning: --compile failed") == 1
     seq = be.new_sequence()
