@@ -40,7 +40,8 @@ class RecomputeEvent:
         """One short line for a live display."""
         ag = f" · AG {self.agreeability:.2f}" if self.agreeability is not None else ""
         return (f"{self.policy} @{self.position}: zoom in {_ids(self.zoomed)} · summaries {_ids(self.summaries)}"
-                f"{ag} · {self.active_tokens} tok active · {self.segments} segment{'' if self.segments == 1 else 's'} ({self.summaries_mode})")
+                f"{ag} · {self.active_tokens} tok active · {self.segments} segment{'' if self.segments == 1 else 's'}"
+                f" ({self.summaries_mode})")
 
 
 def _ids(xs: list[int]) -> str:

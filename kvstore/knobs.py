@@ -76,7 +76,7 @@ def summaries_knob() -> Any:
 
 def segment_tokens_knob(default: int, source: str) -> Any:
     """``--segment-tokens``: the longest block of ``--summaries auto``/``prompted``, and the most tokens between
-    two recomputes in any mode (tokens, ≥ 1; :func:`zoomr.kvstore.segments.recompute_due`)."""
+    two recomputes in any mode (tokens, ≥ 1; :class:`zoomr.kvstore.segments.RecomputeClock`)."""
     return knob(default, "longest segment when the model writes no summaries: blocks close at a paragraph end "
                 "from a third of it, else are cut at a sentence or line end by this length; also the most "
                 "tokens between two recomputes (tokens)", minimum=1,

@@ -7,7 +7,7 @@ Source: ZoomR paper §3.3–3.4 and Algorithm 1. The selection is
 where I_p is the prompt (the sequence's first forward, kept whole as the attention sink) and I_w the
 last ``window`` generated positions. It is recomputed after a token whose text ends at a semantic
 boundary, or once ``segment_tokens`` tokens have gone by without one
-(:func:`zoomr.kvstore.segments.recompute_due`); in between, new tokens are appended to the active set and
+(:class:`zoomr.kvstore.segments.RecomputeClock`); in between, new tokens are appended to the active set and
 attended. The segment still being written (and, in ``model`` mode, the regular
 segment whose summary is being written) is kept whole beside the window, as the paper's I_w covers it
 (§3.3: the recent window holds the tokens being reasoned over): a 250-token paragraph and its summary
@@ -24,7 +24,7 @@ import torch
 
 from .events import RecomputeEvent
 from .policy import ForwardInfo, KVPolicy
-from .segments import Segment, SegmentTracker, recompute_due
+from .segments import RecomputeClock, Segment, SegmentTracker
 
 # SumR's and ZoomR's default --window (tokens) and where it comes from
 WINDOW = 512
@@ -60,23 +60,19 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         self.n_prompt: int | None = None
         self.end = 0                       # positions written so far (prompt + generated)
         self.recomputes = 0
-        self.segment_tokens = segment_tokens
-        self._last_recompute = 0           # ``end`` at the last recompute (the prompt's end before the first)
-        self._tail = ""
+        self.clock = RecomputeClock(segment_tokens)
 
     def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
         """Track segments; at a semantic boundary, choose segments and return the new selection."""
         self.end = fwd.end
         if self.n_prompt is None:
-            self.n_prompt = self._last_recompute = fwd.end
+            self.n_prompt = self.clock.last = fwd.end
             return None
         closed = self.tracker.push(fwd.start, fwd.text, len(fwd.token_ids))
         if closed:
             self.on_closed(closed)
-        self._tail = (self._tail + fwd.text)[-8:]
-        if not recompute_due(self._tail, fwd.end - self._last_recompute, self.segment_tokens):
+        if not self.clock.due(fwd.text, fwd.end):
             return None
-        self._last_recompute = fwd.end
         recent = max(self.n_prompt, min(fwd.end - self.window, self.tracker.open_start))
         zoomed, summarized, votes = self.choose(recent)
         keep = set(range(self.n_prompt)) | set(range(recent, fwd.end))
@@ -96,6 +92,7 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         """Shares the closed segments (see :meth:`SegmentTracker.copy`); copies the open segment's chunks."""
         other = self._fork_shallow(ctx)
         other.tracker = self.tracker.copy()
+        other.clock = self.clock.copy()
         return other
 
     def on_closed(self, segments: list[Segment]) -> None:

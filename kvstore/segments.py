@@ -55,13 +55,35 @@ def ends_at_boundary(text: str) -> bool:
     return text.rstrip(" \t").endswith(BOUNDARY_SUFFIXES)
 
 
-def recompute_due(tail: str, tokens_since: int, segment_tokens: int) -> bool:
-    """Whether SumR/ZoomR re-select now: ``tail`` (the last few characters written) ends at a semantic
-    boundary (:func:`ends_at_boundary`, ZoomR App. A.3), or ``tokens_since`` ≥ ``segment_tokens`` tokens were
-    written since the last selection without one. The second is zoomr's: text with no sentence end (a long run
-    of equations, one a line) would otherwise keep every new token active until the end of the run; a block
-    of ``--summaries auto`` is cut at that length anyway."""
-    return ends_at_boundary(tail) or tokens_since >= segment_tokens
+@dataclass
+class RecomputeClock:
+    """When SumR/ZoomR re-select: after a token whose text ends at a semantic boundary (:func:`ends_at_boundary`,
+    ZoomR App. A.3), or once ``segment_tokens`` tokens were written since the last re-selection without one.
+    The second is zoomr's: text with no sentence end (a long run of equations, one a line) would otherwise keep
+    every new token active until the end of the run; a block of ``--summaries auto`` is cut at that length
+    anyway. A fork takes a copy (:meth:`copy`): the state is a few characters and one position.
+
+    Attributes:
+        segment_tokens: the most tokens between two re-selections (≥ 1).
+        last: positions written (the sequence's end) at the last re-selection; the caller sets it to the
+            prompt's end before the first.
+    """
+
+    segment_tokens: int
+    last: int = 0
+    tail: str = ""     # the last characters written: enough to see a boundary that spans tokens
+
+    def due(self, text: str, end: int) -> bool:
+        """Record a forward that wrote ``text`` and ended at position ``end`` (tokens written so far); True
+        when the selection is to be recomputed now (and the clock restarts at ``end``)."""
+        self.tail = (self.tail + text)[-8:]
+        if not ends_at_boundary(self.tail) and end - self.last < self.segment_tokens:
+            return False
+        self.last = end
+        return True
+
+    def copy(self) -> "RecomputeClock":
+        return RecomputeClock(self.segment_tokens, self.last, self.tail)
 
 
 def edge_strength(left: str, right: str) -> int:

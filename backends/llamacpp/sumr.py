@@ -20,14 +20,15 @@ import copy
 
 from zoomr.kvstore.events import EventBus, RecomputeEvent
 from zoomr.kvstore.segmented import SEGMENT_TOKENS
-from zoomr.kvstore.segments import SegmentTracker, recompute_due
+from zoomr.kvstore.segments import RecomputeClock, SegmentTracker
 
 
 class SumRCells:
     """Prompt + the summary S_i of every closed segment + the ``window`` most recent generated tokens.
 
-    The first :meth:`observe` of a sequence is its prompt. Later ones feed the segment tracker; when
-    the text so far ends at a semantic boundary (or ``segment_tokens`` tokens went by without one) the engine evicts every resident position outside the
+    The first :meth:`observe` of a sequence is its prompt. Later ones feed the segment tracker; when the
+    text so far ends at a semantic boundary, or ``segment_tokens`` tokens went by without one
+    (:class:`~zoomr.kvstore.segments.RecomputeClock`), the engine evicts every resident position outside the
     selection (one ``seq_rm`` + ``seq_add`` per evicted run). At the cap (``-c``) it evicts the same
     way, or reports a full context when nothing is evictable.
 
@@ -60,23 +61,17 @@ class SumRCells:
         self.n_prompt: int | None = None
         self.end = 0
         self.recomputes = 0
-        self.segment_tokens = segment_tokens
-        self._last_evict = 0               # ``end`` at the last boundary eviction (the prompt's end before one)
-        self._tail = ""
+        self.clock = RecomputeClock(segment_tokens)
 
     def observe(self, start: int, ids: list[int], text: str) -> bool:
         """Record a forward; True (evict now) at a semantic boundary, or after ``segment_tokens`` tokens
-        without one (:func:`zoomr.kvstore.segments.recompute_due`, as on the torch backend)."""
+        without one (:class:`zoomr.kvstore.segments.RecomputeClock`, as on the torch backend)."""
         self.end = start + len(ids)
         if self.n_prompt is None:
-            self.n_prompt = self._last_evict = self.end
+            self.n_prompt = self.clock.last = self.end
             return False
         self.tracker.push(start, text, len(ids))
-        self._tail = (self._tail + text)[-8:]
-        if not recompute_due(self._tail, self.end - self._last_evict, self.segment_tokens):
-            return False
-        self._last_evict = self.end
-        return True
+        return self.clock.due(text, self.end)
 
     def _kept(self, p: int, summaries: set[int], recent: int) -> bool:
         return p < self.n_prompt or p >= recent or p in summaries
@@ -112,6 +107,7 @@ class SumRCells:
         """An independent copy (tracker included) reporting to the same event bus."""
         child = copy.copy(self)
         child.tracker = copy.deepcopy(self.tracker)
+        child.clock = self.clock.copy()
         return child
 
     def describe(self) -> str:

@@ -71,7 +71,8 @@ def attend_parts(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What a layer's math needs besides its weights: heads, head size (tokens' d), RMSNorm epsilon, dtypes."""
+    """What a layer's math needs besides its weights: query and KV heads, head size d, RMSNorm epsilon, and the
+    dtypes of the linears and of attention."""
 
     n_heads: int
     n_kv_heads: int
@@ -360,7 +361,7 @@ class Decoder:
         x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
         shape = self._shape
-        attn_in, attn_out_mlp = self._blocks if attention == "padded" or S == len(lengths) else _EAGER
+        attn_in, attn_out_mlp = self._blocks if S == len(lengths) else _EAGER   # decode only: one row a sequence
         o = torch.empty(S, H * d, device=x.device, dtype=self.dtype)
         masks: dict[tuple[int, int], torch.Tensor] = {}  # layers attending the same N share one causal mask
         for li, L in enumerate(self.layers):

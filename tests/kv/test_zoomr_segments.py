@@ -146,3 +146,12 @@ def test_llamacpp_sumr_evicts_after_segment_tokens_without_a_boundary():
     due = [cells.observe(N_PROMPT + i, [1], t) for i, t in enumerate(["w", "w", ".", "w", "w", "w", "w", "w"])]
     assert due == [False, False, True, False, False, False, False, False]   # a boundary restarts the count
     assert cells.observe(N_PROMPT + 8, [1], "w") is True                     # 6 tokens after it
+
+
+def test_a_fork_counts_tokens_to_its_next_recompute_on_its_own_clock():
+    parent = ZoomRPolicy(8, 2, 1, "auto", segment_tokens=12)
+    cache, _, _, _ = drive(parent, ["w"] * 7, N_PROMPT)     # 7 of the 12 tokens towards the next recompute
+    child = parent.fork(cache.ctx)
+    assert child.clock is not parent.clock and child.clock.last == parent.clock.last == N_PROMPT
+    assert child.clock.due("w" * 5, N_PROMPT + 12)           # the child reaches 12 tokens and re-selects
+    assert child.clock.last == N_PROMPT + 12 and parent.clock.last == N_PROMPT and parent.clock.tail == "w" * 7
