@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Callable
 
 from zoomr.backends.base import Backend
@@ -158,14 +160,21 @@ def check_kv_dtype_option(opts: RunOptions) -> None:
         raise UserError("--compile applies to the torch backend (llama.cpp runs its own kernels)")
 
 
+# the most threads -t accepts: OpenMP (torch) and ggml crash outright far above any core count (-t 100000 was a
+# segfault on both backends), and no CPU has more hardware threads than this
+MAX_THREADS = 1024
+
+
 def check_lengths(opts: RunOptions) -> None:
     """``-c``, ``-n`` and ``-t`` make sense (checked before any model loads).
 
     Raises:
-        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1, ``-t`` below 1.
+        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1, ``-t`` below 1 or above :data:`MAX_THREADS`.
     """
     if opts.threads is not None and opts.threads < 1:
         raise UserError(f"-t must be >= 1, got {opts.threads}")
+    if opts.threads is not None and opts.threads > MAX_THREADS:
+        raise UserError(f"-t {opts.threads}: at most {MAX_THREADS} threads (this machine has {os.cpu_count()} CPUs)")
     if opts.ctx_size < 16:
         raise UserError(f"-c {opts.ctx_size} is too small (at least 16 tokens)")
     if opts.n_predict == 0 or opts.n_predict < -1:

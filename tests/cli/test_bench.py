@@ -255,6 +255,7 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     (None, ["--policies", "full", "--budget", "32"], "--budget is read by"),
     (None, ["--policies", "full,rkv,zoomr", "--match-budget", "--budget", "32"], "drop --budget"),
     (None, ["-t", "-1"], "-t must be >= 1"),
+    (None, ["-t", "100000"], "-t 100000: at most 1024 threads"),   # was a segfault, exit 139, no message
     # checked as solve checks its prompt, before the folder takes the run's settings
     ("tiny_ctx", ["--out", "{o}", "-c", "24", "--policies", "full"], "problem 0: the prompt has"),
     ("config_list", ["--out", "{o}", "--resume"], "not a bench config"),
