@@ -21,7 +21,11 @@ one batched forward per step (``Decoder.forward_batch``: projections over all B 
 sequence over what its own cache selects); ms/step is one decode token for every sequence of the batch. Device KV memory = CUDA memory allocated beyond the weights (resident), and the peak
 beyond the weights while decoding (includes activations).
 
-    python benchmarks/gpu_check.py [--ctx 16384] [--decode 16] [--json gpu_check.json]
+    python benchmarks/gpu_check.py [--ctx 16384] [--decode 16] [--batches 1,16,64] [--json gpu_check.json]
+
+``--device cpu --shape tiny`` runs the same code on a 2-layer random model in seconds (no timings worth
+reading, device memory not measured): the test suite runs it so the script is known to work before a GPU is
+lent (tests/test_gpu_check_cpu.py).
 """
 
 from __future__ import annotations
@@ -110,6 +114,18 @@ def qwen7b_config():
     return ModelConfig(arch="qwen2", n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, head_dim=128,
                        ffn=18944, vocab=152064, rope_theta=1e6, rms_eps=1e-6, tied_embeddings=False,
                        max_ctx=32768, attn_bias=True)
+
+
+def tiny_config():
+    """A 2-layer model of the same architecture (GQA 4:2, biases, untied head) for a CPU run of the script."""
+    from zoomr.backends.torch.config import ModelConfig
+
+    return ModelConfig(arch="qwen2", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512,
+                       vocab=1000, rope_theta=1e6, rms_eps=1e-6, tied_embeddings=False, max_ctx=32768,
+                       attn_bias=True)
+
+
+SHAPES = {"7b": (qwen7b_config, torch.bfloat16), "tiny": (tiny_config, torch.float32)}
 
 
 class RandomWeights(dict):
@@ -223,33 +239,42 @@ def decode_bench(kind, model, cfg, ctx, batch, n_decode, device) -> dict:
         row["paper_MS"] = round((512 + n_g) / (512 + 2 * 250 + (st.extra["voted_last"] - 2) * 20 + 512), 2)
         row["measured_MS"] = round(st.full_tokens / st.active_tokens, 2)
     del seqs, first
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctx", type=int, default=16384, help="context length at the end of decoding (tokens)")
     ap.add_argument("--decode", type=int, default=16, help="decode steps per sequence")
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes, e.g. 1,16,64")
+    ap.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --shape tiny (a dry run)")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="7b", help="the part-2 model: 7b, or tiny (2 layers)")
+    ap.add_argument("--steps", type=int, default=300, help="part 1: decode steps per policy")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible to torch")
-    device = torch.device("cuda")
+    if a.ctx < 1024 or a.decode < 1:
+        raise SystemExit("gpu_check: --ctx must be at least 1024 tokens (zoomr's prompt and segments) and "
+                         "--decode at least 1")
     t0 = time.perf_counter()
-    report = {"gpu": torch.cuda.get_device_name(device), "sparse_vs_dense": sparse_vs_dense(device)}
-    for name, r in report["sparse_vs_dense"].items():
-        print(f"sparse vs dense  {name:<10} max |Δattn| {r['attention_max_abs_err']:.2e}  "
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"gpu": name, "sparse_vs_dense": sparse_vs_dense(device, a.steps)}
+    for policy, r in report["sparse_vs_dense"].items():
+        print(f"sparse vs dense  {policy:<10} max |Δattn| {r['attention_max_abs_err']:.2e}  "
               f"same selection as CPU: {r['same_selection_as_cpu']}")
     print(f"part 1 done in {time.perf_counter() - t0:.0f} s")
 
     from zoomr.backends.torch.model import Decoder
 
-    cfg = qwen7b_config()
-    model = Decoder(cfg, RandomWeights(cfg), device, torch.bfloat16)
-    print(f"7B-shaped model on {report['gpu']}: {model.weight_bytes() / GIB:.1f} GiB of bf16 weights, "
-          f"KV {cfg.kv_bytes_per_token(2) / 1024:.0f} KiB/token ({time.perf_counter() - t0:.0f} s)")
+    make_config, dtype = SHAPES[a.shape]
+    cfg = make_config()
+    model = Decoder(cfg, RandomWeights(cfg), device, dtype)
+    print(f"{a.shape}-shaped model on {name}: {model.weight_bytes() / GIB:.1f} GiB of {dtype} weights, "
+          f"KV {cfg.kv_bytes_per_token(dtype.itemsize) / 1024:.0f} KiB/token ({time.perf_counter() - t0:.0f} s)")
     rows = []
     print(f"{'kind':<16}{'batch':>6}{'tok/s':>9}{'ms/step':>12}{'KV resident GiB':>17}{'peak GiB':>10}"
           f"{'active/full tok':>17}")
@@ -268,6 +293,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=2)
+    return report
 
 
 if __name__ == "__main__":

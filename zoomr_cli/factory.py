@@ -8,7 +8,8 @@ from typing import Callable
 
 from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
-from zoomr.kvstore.registry import REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, policy_info
+from zoomr.kvstore.registry import (REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, knob_flags,
+                                    policy_info)
 
 from zoomr.errors import UserError
 from zoomr.options import RunOptions
@@ -96,7 +97,8 @@ def check_options(opts: RunOptions) -> None:
 
     Raises:
         UserError: unknown backend, policy, ``--dtype``, ``--quant`` or ``--kv-dtype``; a half ``--dtype`` with
-            ``--quant fp16``; ``-c``/``-n``/``-t`` out of range (:func:`check_lengths`).
+            ``--quant fp16``; ``-c``/``-n``/``-t``/``-ngl`` out of range (:func:`check_lengths`); a policy size
+            not below ``-c`` (:func:`check_knob_sizes`); torch-only flags with ``--backend llamacpp``.
         ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
     """
     if opts.backend not in BACKENDS:
@@ -107,8 +109,10 @@ def check_options(opts: RunOptions) -> None:
         raise UserError(str(e)) from None
     opts.check_knobs()
     check_lengths(opts)
+    check_knob_sizes(opts)
     check_quant_option(opts)
     check_kv_dtype_option(opts)
+    check_torch_placement(opts)
     if opts.backend == "torch":
         import torch
 
@@ -141,6 +145,23 @@ def check_quant_option(opts: RunOptions) -> None:
                         "quantization)")
 
 
+def check_torch_placement(opts: RunOptions) -> None:
+    """``--device`` and ``--dtype`` other than ``auto`` only on the torch backend: llama.cpp places layers with
+    ``-ngl`` and computes in the file's own types, so there they would silently do nothing.
+
+    Raises:
+        UserError: ``--device``/``--dtype`` given with ``--backend llamacpp``.
+    """
+    if opts.backend == "torch":
+        return
+    if opts.device != "auto":
+        raise UserError(f"--device {opts.device} applies to the torch backend (llama.cpp: -ngl 0 keeps every "
+                        "layer on the CPU, -ngl N offloads N layers)")
+    if opts.dtype != "auto":
+        raise UserError(f"--dtype {opts.dtype} applies to the torch backend (llama.cpp computes in the file's own "
+                        "types)")
+
+
 def check_kv_dtype_option(opts: RunOptions) -> None:
     """``--kv-dtype`` names a dtype, and one other than ``auto`` only on the torch backend; so does ``--compile``.
 
@@ -169,8 +190,11 @@ def check_lengths(opts: RunOptions) -> None:
     """``-c``, ``-n`` and ``-t`` make sense (checked before any model loads).
 
     Raises:
-        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1, ``-t`` below 1 or above :data:`MAX_THREADS`.
+        UserError: ``-c`` under 16 tokens, ``-n`` 0 or below -1, ``-t`` below 1 or above :data:`MAX_THREADS`,
+            ``-ngl`` below -1.
     """
+    if opts.n_gpu_layers < -1:
+        raise UserError(f"-ngl {opts.n_gpu_layers}: give a number of layers >= 0, or -1 for all")
     if opts.threads is not None and opts.threads < 1:
         raise UserError(f"-t must be >= 1, got {opts.threads}")
     if opts.threads is not None and opts.threads > MAX_THREADS:
@@ -179,3 +203,20 @@ def check_lengths(opts: RunOptions) -> None:
         raise UserError(f"-c {opts.ctx_size} is too small (at least 16 tokens)")
     if opts.n_predict == 0 or opts.n_predict < -1:
         raise UserError(f"-n {opts.n_predict}: give a number of tokens >= 1, or -1 for no limit")
+
+
+def check_knob_sizes(opts: RunOptions) -> None:
+    """Each policy size given in tokens (``--budget``, ``--window``, ``--sink``, ``--segment-tokens``) is below
+    ``-c``: a policy keeping ``-c`` positions or more evicts nothing before the sequence stops at the context
+    limit, so the run would be full KV under another name (llama.cpp's sumr refused it already; now both
+    backends do, before any model loads).
+
+    Raises:
+        UserError: ``--budget 5000 is not below -c 4096 ...``.
+    """
+    flags = knob_flags()
+    for name, value in opts.knobs.items():
+        knob = flags.get(name)
+        if knob is not None and knob.info.tokens and isinstance(value, int) and value >= opts.ctx_size:
+            raise UserError(f"{knob.flag} {value} is not below -c {opts.ctx_size}: the policy would evict nothing "
+                            f"before the context is full (raise -c or lower {knob.flag})")

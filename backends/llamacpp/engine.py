@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from zoomr.backends.base import BackendError, KVMeter, KVStats, check_batch
+from zoomr.backends.memory import host_available_bytes
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import LlamaCppTokenizer
 from zoomr.kvstore.events import EventBus
@@ -63,6 +64,22 @@ def size_cache(cap: int, evicts: bool, max_sequences: int | None, kv_cells: int 
     if kv_cells < need:
         raise ValueError(f"kv_cells {kv_cells} cannot hold {cap} cells per sequence")
     return max_sequences, kv_cells
+
+
+def check_kv_fits(kv_cells: int, bytes_per_cell: int, cap: int, on_gpu: bool) -> None:
+    """Refuse a KV cache that cannot fit in the host memory free now, before llama.cpp tries to allocate it.
+
+    Args:
+        kv_cells: the context's KV cells (tokens); bytes_per_cell: K and V of one cell over all layers (bytes);
+        cap: ``-c``, for the message (tokens); on_gpu: the cells go to a GPU (not checked: llama.cpp says so).
+    Raises:
+        ValueError: ``-c`` whose cache needs more bytes than the host has available (numbers named).
+    """
+    free = None if on_gpu else host_available_bytes()
+    need = kv_cells * bytes_per_cell
+    if free is not None and need > free:
+        raise ValueError(f"-c {cap}: llama.cpp's KV cache of {kv_cells} cells needs {need / 2**30:.1f} GiB, more "
+                         f"than the {free / 2**30:.1f} GiB of memory free; use a smaller -c")
 
 
 def cache_words(kv_cells: int, max_sequences: int, unified: bool) -> str:
@@ -167,6 +184,8 @@ class LlamaCppBackend:
                        or llama_cpp.llama_model_is_hybrid(self._model)):
             raise ValueError(f"--policy {self.policy_name} removes KV cells, which this recurrent/hybrid model "
                              "cannot do")
+        check_kv_fits(kv_cells, self.info.kv_bytes_per_token(GGML_TYPE_F16), cap,
+                      on_gpu=self.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload())
         self.tokenizer = LlamaCppTokenizer(self.source.path)
         if self.tokenizer.vocab_size > self.info.n_vocab:
             raise ValueError(f"{self.source.path}: tokenizer has {self.tokenizer.vocab_size} ids, "

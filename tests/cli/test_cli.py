@@ -125,14 +125,14 @@ def test_help_has_no_type_tags_and_shows_defaults():
 
 
 @pytest.mark.parametrize("backend", ["llamacpp", "torch"])
-@pytest.mark.parametrize("ngl,given", [(99, True), (-1, True), (0, True), (-1, False)])
-def test_gpu_layers_note_only_where_ngl_does_nothing(backend, ngl, given):
+@pytest.mark.parametrize("ngl", [99, 1, -1, 0])
+def test_gpu_layers_note_only_where_ngl_does_nothing(backend, ngl):
     import torch
     from zoomr.backends.llamacpp.runtime import gpu_offload_supported
 
-    note = gpu_layers_note(RunOptions(backend=backend, n_gpu_layers=ngl), given)
+    note = gpu_layers_note(RunOptions(backend=backend, n_gpu_layers=ngl))
     gpu = gpu_offload_supported() if backend == "llamacpp" else torch.cuda.is_available()
-    if gpu or ngl == 0 or not given:
+    if gpu or ngl <= 0:   # 0 keeps the CPU and -1 is the default ("all, where there is a GPU"): nothing to say
         assert note is None
     else:
         assert note.startswith(f"-ngl {ngl} has no effect") and "\n" not in note
@@ -142,11 +142,11 @@ def test_gpu_layers_note_defers_to_an_explicit_device():
     import torch
 
     # --device cuda where torch has no CUDA is refused with its own error: no note saying "runs on the CPU" first
-    assert gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cuda"), True) is None
-    note = gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cpu"), True)
+    assert gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cuda")) is None
+    note = gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99, device="cpu"))
     assert note == "-ngl 99 has no effect: --device cpu places the model"
     if not torch.cuda.is_available():
-        assert "no CUDA device" in gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99), True)
+        assert "no CUDA device" in gpu_layers_note(RunOptions(backend="torch", n_gpu_layers=99))
 
 
 @pytest.mark.slow
@@ -233,12 +233,49 @@ def test_a_record_that_cannot_be_written_at_the_end_goes_to_the_temp_dir(unwrita
         kept.unlink()
 
 
-@pytest.mark.parametrize("flags", [["--quant", "int3"], ["--dtype", "fp64"], ["--kv-dtype", "fp8"], ["-c", "0"],
-                                   ["--quant", "fp16", "--dtype", "bf16"], ["--rescue", "--dtype", "fp64"]])
-def test_bad_model_flags_are_refused_before_the_model_loads(flags):
+@pytest.mark.parametrize("flags,needle", [
+    (["--quant", "int3"], "--quant"), (["--dtype", "fp64"], "--dtype"), (["--kv-dtype", "fp8"], "--kv-dtype"),
+    (["-c", "0"], "-c 0"), (["--quant", "fp16", "--dtype", "bf16"], "--quant fp16"),
+    (["--rescue", "--dtype", "fp64"], "--dtype"),
+    # llama.cpp places layers with -ngl and computes in the file's types: these would do nothing there
+    (["--backend", "llamacpp", "--device", "cpu"], "--device cpu applies to the torch backend"),
+    (["--backend", "llamacpp", "--dtype", "fp32"], "--dtype fp32 applies to the torch backend"),
+    (["-ngl", "-5"], "-ngl -5: give a number of layers >= 0, or -1 for all"),
+    # a policy size of -c or more evicts nothing before the context stops the run: full KV under another name
+    (["--policy", "rkv", "--budget", "5000"], "--budget 5000 is not below -c 4096"),
+    (["--policy", "zoomr", "--window", "64", "-c", "64"], "--window 64 is not below -c 64"),
+    (["--policy", "streaming", "--sink", "300", "-c", "300"], "--sink 300 is not below -c 300"),
+    (["--rescue", "--budget", "9000"], "--budget 9000 is not below -c"),
+    # the -ngl note ("has no effect ... CPU") is said when the model loads, so a refused run prints its error alone
+    (["-ngl", "99", "--policy", "rkv", "--budget", "9999"], "--budget 9999"),
+])
+def test_bad_model_flags_are_refused_before_the_model_loads(flags, needle):
     r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", *flags)
     assert_one_line_error(r)
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no "loading model…" before the error
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no "loading model…" (or note) before the error
+    assert needle in r.stderr
+
+
+def test_bench_refuses_a_budget_not_below_the_context(tmp_path):
+    r = zoomr("bench", "--budget", "64", "--budget", "5000", "--limit", "1", "-n", "4", "--no-live",
+              "--out", str(tmp_path / "b"))
+    assert_one_line_error(r)
+    assert "--budget 5000 is not below -c 4096" in r.stderr and not (tmp_path / "b").exists()
+
+
+def test_a_llamacpp_context_larger_than_memory_is_refused_before_allocating():
+    from zoomr.backends.llamacpp.engine import check_kv_fits
+    from zoomr.backends.memory import host_available_bytes
+
+    free = host_available_bytes()
+    assert free and free > 0
+    with pytest.raises(ValueError, match=r"^-c 123: llama.cpp's KV cache of 4096 cells needs .* GiB, more than"):
+        check_kv_fits(4096, free // 4096 + 1, 123, on_gpu=False)
+    check_kv_fits(4096, free // 4096 - 1, 123, on_gpu=False)   # fits: no error
+    check_kv_fits(4096, free, 123, on_gpu=True)                 # on a GPU llama.cpp itself reports it
+    r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", "--backend", "llamacpp", "-c", "1000000000")
+    assert_one_line_error(r)     # was exit 1 after a minute of failed allocation
+    assert "-c 1000000000: llama.cpp's KV cache" in r.stderr
 
 
 def test_bench_help_offers_only_the_backend_it_runs():

@@ -33,9 +33,9 @@ from zoomr.evaluation.batching import teacher_forced_fidelity
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import list_datasets, load_problems
 from zoomr.errors import UserError
-from zoomr.factory import build_backend, check_lengths, policy_spec, with_policy
+from zoomr.factory import build_backend, check_knob_sizes, check_lengths, policy_spec, with_policy
 from zoomr.options import RunOptions, knob_scope, not_read
-from zoomr.cli.options import loading_status, model_options
+from zoomr.cli.options import loading, model_options
 from zoomr.cli.inputs import unwritable
 from zoomr.cli.render import Output, count
 from zoomr.rescue.plan import RescueOptions
@@ -162,6 +162,7 @@ def bench(
     budgets = sorted(set(budget or [knob_flags()["budget"].default]))
     if min(budgets) < 1:
         raise UserError(f"--budget must be at least 1 token, got {min(budgets)}")
+    check_knob_sizes(opts.with_knobs(budget=max(budgets)))
     if match_budget and budget:
         raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
     if budget and not rescue.rescue and not set(chosen) & set(budgeted()):
@@ -375,7 +376,7 @@ def _load_for(opts: RunOptions, rescue_plan, config: dict, problems, cells, log:
         UserError / ValueError: a model that cannot load, a prompt over ``-c``, ``-np`` too large for memory.
     """
     rescue_cells = None
-    with ui.status(loading_status(opts)):
+    with loading(ui, opts):
         base = build_backend(replace(opts, policy=REFERENCE))
     if rescue_plan is not None:
         with ui.status("loading helper and scorer…"):

@@ -21,7 +21,7 @@ from zoomr.errors import check_text
 
 from zoomr.factory import build_backend, check_options
 from zoomr.options import RunOptions, check_knobs_read
-from zoomr.cli.options import OneSequence, loading_status, model_options, refuse_parallel
+from zoomr.cli.options import OneSequence, loading, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
 
 COMMANDS = {
@@ -151,7 +151,7 @@ def chat(
     sampler = Sampler(opts.sampling(default_temp=0.7))
     out = Output(live=not no_live)
     check_options(opts)  # bad flags refused before "loading model…"
-    with out.status(loading_status(opts)):
+    with loading(out, opts):
         backend = build_backend(opts)
     out.info(backend.describe())
     editing = line_editing()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import sys
 import typing
 from dataclasses import fields
 from typing import Annotated, Optional
@@ -35,8 +34,7 @@ _OPTION_DECLS = {
                                     rich_help_panel=PANEL_MODEL)),
     "threads": (Optional[int], typer.Option("-t", "--threads", help="CPU threads (default: all cores).",
                                             rich_help_panel=PANEL_MODEL)),
-    # None on the command line = not given (RunOptions' -1), so that a -ngl without effect can be named
-    "n_gpu_layers": (Optional[int], typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the "
+    "n_gpu_layers": (int, typer.Option("-ngl", "--n-gpu-layers", help="llamacpp: layers offloaded to the "
                                                  "GPU; torch: 0 forces the CPU.", show_default="-1, all",
                                                  rich_help_panel=PANEL_MODEL)),
     "device": (str, typer.Option("--device", help="torch: auto (CUDA if present), cpu, cuda, cuda:N.",
@@ -114,33 +112,26 @@ def model_options(exclude: tuple[str, ...] = (), shown: dict[str, str] | None = 
     knob_defaults = {name: k.default for name, k in knob_flags().items() if name in knobs}
 
     def build(values: dict, typed: set[str]) -> RunOptions:
-        given = values.get("n_gpu_layers") is not None
-        if not given:
-            values["n_gpu_layers"] = base["n_gpu_layers"]
         # only knobs typed on the command line are given (a default is each reader's own anyway); one typed at
         # its default value still counts, so that a command can refuse it for a policy without that knob
         knob_values = {k: values.pop(k) for k in knobs}
-        opts = RunOptions(**values, **{name: base[name] for name in exclude if name in base},
+        return RunOptions(**values, **{name: base[name] for name in exclude if name in base},
                           knobs={k: v for k, v in knob_values.items() if v is not None and k in typed})
-        note = gpu_layers_note(opts, given)
-        if note:
-            print(f"zoomr: {note}", file=sys.stderr)
-        return opts
 
     def wrap(fn):
-        return grouped_options(fn, "opts", {**decls, **knobs}, {**base, "n_gpu_layers": None, **knob_defaults}, build)
+        return grouped_options(fn, "opts", {**decls, **knobs}, {**base, **knob_defaults}, build)
 
     return wrap
 
 
-def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
-    """The line saying that ``-ngl`` has no effect here (None when it has one, or was not given).
+def gpu_layers_note(opts: RunOptions) -> str | None:
+    """The line saying that ``-ngl N`` has no effect here (None when it has one, or N is 0 or the default -1).
 
-    ``-ngl N`` (N != 0) moves layers to a GPU only on a llama.cpp build with GPU offload, or for torch
+    ``-ngl N`` (N > 0) moves layers to a GPU only on a llama.cpp build with GPU offload, or for torch
     where CUDA is present and ``--device`` is ``auto``; elsewhere the run is on the CPU whatever N says (a
-    ``--device cuda`` without CUDA gets its own error instead). ``given``: the user set it.
+    ``--device cuda`` without CUDA gets its own error instead).
     """
-    if not given or opts.n_gpu_layers == 0:
+    if opts.n_gpu_layers <= 0:
         return None
     flag = f"-ngl {opts.n_gpu_layers}"
     if opts.backend == "llamacpp":
@@ -156,6 +147,21 @@ def gpu_layers_note(opts: RunOptions, given: bool) -> str | None:
         if not torch.cuda.is_available():
             return f"{flag} has no effect: torch finds no CUDA device, the model runs on the CPU"
     return None
+
+
+def loading(out, opts: RunOptions, what: str | None = None):
+    """Say that the model loads: the ``-ngl`` note first, if any (:func:`gpu_layers_note`), then a status
+    context (``out.status``) to hold while it loads. Called after the options were checked, so a refused run
+    prints its error line alone.
+
+    Args:
+        out: the command's :class:`~zoomr.cli.render.Output`.
+        what: the status text (default: :func:`loading_status`).
+    """
+    note = gpu_layers_note(opts)
+    if note:
+        out.info(f"zoomr: {note}")
+    return out.status(what or loading_status(opts))
 
 
 _CONTEXT = "zoomr_click_context"  # the click context Typer hands a command that asks for one

@@ -16,6 +16,7 @@ from zoomr.factory import build_backend, check_options
 from zoomr.prompts import system_with_summaries
 from zoomr.solving import fit_prompt
 from zoomr.options import RunOptions
+from zoomr.cli.options import loading
 from zoomr.cli.inputs import write_json
 from zoomr.cli.render import Output, mib
 from zoomr.rescue.runner import build_helper, helper_is_base, rescue_once
@@ -89,7 +90,7 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
         for_flag(flag, check_options, flag_opts)
     for note in plan.notes:   # after the checks: a refused run prints its error line alone
         out.info(note)
-    with out.status("loading base model…"):
+    with loading(out, opts, "loading base model…"):
         base = for_flag("base", build_backend, plan.base_opts)
     # the check plain solve makes (zoomr.solving.fit_prompt), before the helper and scorer load
     max_context = plan.config.max_context

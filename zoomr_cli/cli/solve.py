@@ -16,7 +16,7 @@ from zoomr.rescue.plan import RescueOptions
 
 from zoomr.cli.inputs import check_writable, read_text_input, write_json
 from zoomr.cli.kv_display import attach_live_events, policy_line
-from zoomr.cli.options import OneSequence, loading_status, model_options, refuse_parallel
+from zoomr.cli.options import OneSequence, loading, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
 from zoomr.cli.rescue import run_rescue
 from zoomr.cli.rescue_options import rescue_options
@@ -57,7 +57,7 @@ def solve(
     sampling = opts.sampling(default_temp=0.0)
 
     check_options(opts)  # bad flags refused before "loading model…"
-    with out.status(loading_status(opts)):
+    with loading(out, opts):
         backend = build_backend(opts)
     system = system_with_summaries(system, opts.policy, opts.knob("summaries"))
     # a prompt over -c is refused before the model line: the error is then the only line after "loading model…"

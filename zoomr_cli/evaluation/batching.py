@@ -12,7 +12,6 @@ so records equal ``-np 1``'s but for timings and the last bits of the KL.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,6 +19,7 @@ from typing import Callable
 import torch
 
 from zoomr.backends.base import Backend
+from zoomr.backends.memory import available_bytes
 from zoomr.backends.generation import GenerationStats, SequenceProgress, banned_ids
 from zoomr.backends.sampling import Sampler, SamplingParams, sample_batch
 from zoomr.errors import UserError
@@ -311,24 +311,6 @@ def teacher_forced_fidelity(backend: Backend, prompt: list[int], reference: Refe
     job = FidelityJob(backend, prompt, reference)
     run_batched(backend, [job], 1)
     return {**job.result, "fidelity_mean_active_tokens": round(job.mean_active_tokens, 2)}
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device`` (bytes): CUDA's free memory, else the host's MemAvailable
-    (``/proc/meminfo``; None where neither can be read)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_parallel(n_parallel: int, backend, longest_prompt: int, n_predict: int) -> None:
