@@ -12,7 +12,11 @@ The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv an
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
     python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16] [--batches 1 2 4 8 16] [--steps 16]
-        [--policies full rkv zoomr] [--attention per_seq padded] [--no-llamacpp] [--json out.json|-]
+        [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded] [--no-llamacpp]
+        [--json out.json|-]
+
+``zoomr`` at its defaults attends every position of these short runs (its 512-token window is not full yet);
+``zoomr-w64 --warmup 224`` times ZoomR while it selects (window 64, blocks of 32 tokens).
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ def torch_rows(args, source) -> list[dict]:
     base = TorchBackend(source, device=args.device, dtype=args.dtype, n_ctx=4096, threads=args.threads,
                         quant=args.quant)
     specs = {"full": None, "rkv": PolicySpec("rkv", 64), "zoomr": PolicySpec("zoomr"), "h2o": PolicySpec("h2o", 64),
-             "snapkv": PolicySpec("snapkv", 64), "streaming": PolicySpec("streaming", 64), "sumr": PolicySpec("sumr")}
+             "snapkv": PolicySpec("snapkv", 64), "streaming": PolicySpec("streaming", 64), "sumr": PolicySpec("sumr"),
+             # ZoomR that selects within a short run: the default window (512) holds these runs whole, so plain
+             # "zoomr" measures its book-keeping with every position attended; with --warmup 224 the timed
+             # steps see 5+ closed segments beyond a 64-token window, two of them zoomed in
+             "zoomr-w64": PolicySpec("zoomr", window=64, segment_tokens=32)}
     rows = []
     nmax = max(args.batches)
     for policy in args.policies:
@@ -83,11 +91,12 @@ def torch_rows(args, source) -> list[dict]:
                 def step(ss, tok, be=be, attention=attention):
                     return be.forward_batch(ss, [[t] for t in tok], attention=attention)
 
-                sec = decode_steps(step, seqs, first[:B], args.steps)
+                sec = decode_steps(step, seqs, first[:B], args.steps, args.warmup)
                 row = {"engine": "torch", "dtype": args.dtype, "quant": args.quant, "policy": policy,
                        "attention": attention, "batch": B,
                        "decode_tok_s": B * args.steps / sec,
-                       "attended_max": max(s.cache.stats().active_tokens for s in seqs)}
+                       "attended_max": max(s.cache.stats().active_tokens for s in seqs),
+                       "written_max": max(s.cache.stats().full_tokens for s in seqs)}
                 ref = ref or row["decode_tok_s"]
                 row["vs_batch1"] = row["decode_tok_s"] / ref
                 if B == nmax and attention == args.attention[0]:
@@ -114,7 +123,7 @@ def llamacpp_rows(args, source) -> list[dict]:
             row = {"engine": "llamacpp", "dtype": "gguf", "policy": "full", "attention": "llama.cpp", "batch": B,
                    "prefill_batched_s": time.perf_counter() - t, "prefill_tokens": sum(map(len, ps))}
             first = [int(x) for x in np.argmax(logits, axis=-1)]
-            sec = decode_steps(be.decode_batch, seqs, first, args.steps)
+            sec = decode_steps(be.decode_batch, seqs, first, args.steps, args.warmup)
             row["decode_tok_s"] = B * args.steps / sec
             ref = ref or row["decode_tok_s"]
             row["vs_batch1"] = row["decode_tok_s"] / ref
@@ -131,6 +140,7 @@ def main() -> None:
     ap = engine_parser(__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones (tokens)")
     ap.add_argument("--prompt-tokens", type=int, default=176,
                     help="shortest prompt (tokens); R-KV B=64 compresses at 192 attended, inside the timed steps")
     ap.add_argument("--policies", nargs="+", default=["full", "rkv", "zoomr"])
@@ -146,12 +156,15 @@ def main() -> None:
     rows = torch_rows(args, source)
     if not args.no_llamacpp and source.kind == "gguf":
         rows += llamacpp_rows(args, source)
-    record = {"model": source.name, "threads": args.threads, "steps": args.steps, "cpus": os.cpu_count(),
+    record = {"model": source.name, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+              "cpus": os.cpu_count(),
               "load_avg_start": load0, "load_avg_end": os.getloadavg(), "rows": rows}
-    print(f"{'engine':9} {'dtype':5} {'policy':7} {'attention':9} {'B':>3} {'tok/s':>8} {'×B=1':>6}", file=sys.stderr)
+    print(f"{'engine':9} {'dtype':5} {'policy':9} {'attention':9} {'B':>3} {'tok/s':>8} {'×B=1':>6} {'attended':>9}",
+          file=sys.stderr)
     for r in rows:
-        print(f"{r['engine']:9} {r['dtype']:5} {r['policy']:7} {r['attention']:9} {r['batch']:>3} "
-              f"{r['decode_tok_s']:8.1f} {r['vs_batch1']:6.2f}", file=sys.stderr)
+        kv = f"{r['attended_max']}/{r['written_max']}" if "attended_max" in r else ""
+        print(f"{r['engine']:9} {r['dtype']:5} {r['policy']:9} {r['attention']:9} {r['batch']:>3} "
+              f"{r['decode_tok_s']:8.1f} {r['vs_batch1']:6.2f} {kv:>9}", file=sys.stderr)
     write_json(record, args.json)
 
 

@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"sparse vs dense  {policy:<10} max |Δattn| {r['attention_max_abs_err']:.2e}  "
               f"same selection as CPU: {r['same_selection_as_cpu']}")
     print(f"part 1 done in {time.perf_counter() - t0:.0f} s")
+    save(report, a.json)
 
     from zoomr.backends.torch.model import Decoder
 
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = Decoder(cfg, RandomWeights(cfg), device, dtype)
     print(f"{a.shape}-shaped model on {name}: {model.weight_bytes() / GIB:.1f} GiB of {dtype} weights, "
           f"KV {cfg.kv_bytes_per_token(dtype.itemsize) / 1024:.0f} KiB/token ({time.perf_counter() - t0:.0f} s)")
-    rows = []
+    rows = report["decode"] = []
     print(f"{'kind':<16}{'batch':>6}{'tok/s':>9}{'ms/step':>12}{'KV resident GiB':>17}{'peak GiB':>10}"
           f"{'active/full tok':>17}")
     for batch in (int(b) for b in a.batches.split(",")):
@@ -287,13 +288,40 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['active_tokens']:>8}/{r['full_tokens']:<8}"
                   + (f"  MS {r['measured_MS']}× (paper formula {r['paper_MS']}×)" if kind == "zoomr" else ""),
                   flush=True)
-    report["decode"] = rows
-    report["seconds"] = round(time.perf_counter() - t0, 1)
+            report["seconds"] = round(time.perf_counter() - t0, 1)
+            save(report, a.json)   # after every row: a run cut short still leaves what it measured
+        report["targets"] = targets(rows)
+        save(report, a.json)
+    for batch, t in report.get("targets", {}).items():
+        print(f"batch {batch}: zoomr tok/s {t['zoomr_vs_offloaded_tok_s']}× full-offloaded (target >= 3), "
+              f"{t['zoomr_vs_full_gpu_tok_s']}× full-gpu; full-gpu holds {t['full_gpu_vs_zoomr_device_kv']}× "
+              "zoomr's device KV (target >= 10)")
     print(f"total {report['seconds']} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
     return report
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's GPU targets per batch size with all four kinds measured: zoomr's decode throughput over
+    full-offloaded's and full-gpu's, and full-gpu's resident device KV over zoomr's (ratios, one run)."""
+    out = {}
+    for batch in sorted({r["batch"] for r in rows}):
+        by = {r["kind"]: r for r in rows if r["batch"] == batch}
+        if set(by) != set(KINDS):
+            continue
+        z = by["zoomr"]
+        kv = z["device_kv_resident_GiB"]
+        out[str(batch)] = {
+            "zoomr_vs_offloaded_tok_s": round(z["tok_s"] / by["full-offloaded"]["tok_s"], 2),
+            "zoomr_vs_full_gpu_tok_s": round(z["tok_s"] / by["full-gpu"]["tok_s"], 2),
+            "full_gpu_vs_zoomr_device_kv": round(by["full-gpu"]["device_kv_resident_GiB"] / kv, 1) if kv else None}
+    return out
+
+
+def save(report: dict, path: str | None) -> None:
+    """Write ``report`` as JSON to ``path`` (nothing when None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ class ResidentActiveSet:
 
     Attributes:
         moved_pairs: (KV head, position) pairs copied host → device by selections so far.
+        unchanged_selections: layer selections that equalled what was resident, so nothing moved.
         parts: per layer, the frozen :class:`_Part` s in position order.
         n: per layer, own positions used (after the parts).
 
@@ -150,6 +151,7 @@ class ResidentActiveSet:
         self.n = [0] * L
         self.pending: list[torch.Tensor | None] = [None] * L    # next selection [Hkv, M], CPU
         self.moved_pairs = 0
+        self.unchanged_selections = 0   # selections equal to what was resident: applied without a copy
         self.parts: list[list[_Part]] = [[] for _ in range(L)]
         self.indexed: list[_Indexed | None] = [None] * L   # CPU: a fork's selection read in place (no parts then)
         self.room = GROW_MIN   # least positions own buffers gain (FORK_CAPACITY once forked)
@@ -195,7 +197,8 @@ class ResidentActiveSet:
                     t.record_stream(self._stream)   # the old buffers (and the selection) are read here
             self._apply(layer)
             for t in (self.k[layer], self.v[layer], self.pos_dev[layer]):
-                t.record_stream(cur)                # the new ones are used on the compute stream
+                if t is not None:                   # None: a selection left as it was, only parts resident
+                    t.record_stream(cur)            # the new ones are used on the compute stream
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._ready[layer] = self._staged[layer] = ev
@@ -234,6 +237,11 @@ class ResidentActiveSet:
             hit = np.take_along_axis(old, slot, 1) == sel
         else:
             hit = np.zeros(sel.shape, dtype=bool)
+        if M == total and hit.all() and (slot == np.arange(M)).all():
+            # the selection is exactly what is resident (SumR/ZoomR before their window fills, a budget not yet
+            # reached): parts, indexed selection and own buffers stay as they are, nothing is copied
+            self.unchanged_selections += 1
+            return
         if self._index_in_place(layer, sel, slot if total else None, hit):
             return
         if self.indexed[layer] is not None:   # read by the gathers below as an ordinary part

@@ -24,6 +24,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
             assert row["active_tokens"] == 2400
         else:   # both evict: zoomr keeps prompt, window and zoomed segments; rkv its budget plus a buffer
             assert row["active_tokens"] < 2400, row
+    assert set(report["targets"]) == {"1", "3"} and report["targets"]["3"]["zoomr_vs_offloaded_tok_s"] > 0
     zoomr = rows[("zoomr", 3)]
     assert zoomr["segments"] >= 2 and zoomr["recomputes"] >= 1 and zoomr["measured_MS"] > 1
 

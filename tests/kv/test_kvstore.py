@@ -50,6 +50,30 @@ def test_active_set_moves_only_what_changed():
     assert torch.equal(K, k.gather(1, pos[..., None].expand(-1, -1, 4)))
 
 
+def test_a_selection_of_everything_resident_copies_nothing():
+    """SumR/ZoomR before their window fills select every position each recompute: applied as it is, no buffer
+    is rebuilt (before, each such recompute copied the whole active set, or for a fork gathered it per step)."""
+    store = HostKVStore(1, 2, 4, torch.float32, CPU)
+    act = ResidentActiveSet(store, CPU, torch.float32)
+    k, v = torch.randn(2, 50, 4), torch.randn(2, 50, 4)
+    store.append(0, k, v)
+    act.attend(0, k, v, torch.arange(50))
+    buffer = act.k[0].data_ptr()
+    act.schedule(0, torch.arange(50).expand(2, -1))
+    K, V, pos = act.attend(0, torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), torch.arange(50, 50))
+    assert act.unchanged_selections == 1 and act.moved_pairs == 0 and act.k[0].data_ptr() == buffer
+    assert torch.equal(K, k) and torch.equal(V, v) and torch.equal(pos, torch.arange(50).expand(2, -1))
+    # a fork reads the shared part in place and keeps doing so: no indexed selection gathered every forward
+    other = act.fork(store)
+    other.schedule(0, torch.arange(50).expand(2, -1))
+    parts = other.attend_parts(0, k[:, :1], v[:, :1], torch.tensor([50]))
+    assert other.indexed[0] is None and len(parts) == 2 and parts[0][0].data_ptr() == act.parts[0][0].k.data_ptr()
+    act.schedule(0, torch.tensor([[1, 2, 3], [4, 5, 6]]))   # a real selection still applies
+    K, _, _ = act.attend(0, torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), torch.arange(50, 50))
+    assert act.unchanged_selections == 1
+    assert torch.equal(K, torch.stack([k[0, 1:4], k[1, 4:7]]))
+
+
 def test_fork_continues_like_the_original():
     texts = (["w"] * 5 + [".", "\n\n"]) * 6
     cache, _, q, k = drive(ZoomRPolicy(8, 2, 2, "auto", segment_tokens=8), texts[:20], 5, seed=7)
