@@ -162,11 +162,12 @@ def bench(
     budgets = sorted(set(budget or [knob_flags()["budget"].default]))
     if min(budgets) < 1:
         raise UserError(f"--budget must be at least 1 token, got {min(budgets)}")
-    check_knob_sizes(opts.with_knobs(budget=max(budgets)))
     if match_budget and budget:
         raise UserError("--match-budget chooses each baseline's budget from zoomr's measured KV: drop --budget")
     if budget and not rescue.rescue and not set(chosen) & set(budgeted()):
         raise UserError(not_read("--budget", budgeted()))
+    if budget:   # a budget typed (the default 64 is no user's choice: a tiny -c with full alone is fine)
+        check_knob_sizes(opts.with_knobs(budget=max(budgets)))
     if match_budget and "zoomr" not in chosen:
         raise UserError("--match-budget needs zoomr among --policies (its measured KV sets the budget)")
     sampling = opts.sampling(default_temp=0.0)
