@@ -175,13 +175,39 @@ def _sample(jobs: list[GenerationJob], rows: torch.Tensor) -> list[int]:
     return [int(t) for t in ids]
 
 
+def _is_reference(job: Job) -> bool:
+    """A full-KV run whose logits fidelity jobs wait on."""
+    return isinstance(job, GenerationJob) and job.keep_logits
+
+
+def _next_job(pending: list[Job], references_welcome: bool, idle: bool) -> int | None:
+    """Index in ``pending`` of the job to join the batch next (None: none should join now).
+
+    A reference run goes first while fewer than ``-np`` references are alive, so the fidelity passes waiting
+    on it become ready a round earlier; otherwise the first ready job in list order that is not a reference
+    run. Without that order, 8 problems of full + rkv at ``-np 8`` ran in four rounds of 128 steps, the last
+    two 6/8 and 2/8 full (their passes waited on references started late); references first, three full
+    rounds. Capping live references at ``-np`` keeps the reference logits held on the device where
+    :func:`check_parallel` counted them. A reference run past the cap still joins a batch that would otherwise
+    be empty (``idle``).
+    """
+    ready = [i for i, j in enumerate(pending) if j.ready()]
+    refs = [i for i in ready if _is_reference(pending[i])]
+    if refs and references_welcome:
+        return refs[0]
+    others = [i for i in ready if not _is_reference(pending[i])]
+    if others:
+        return others[0]
+    return refs[0] if refs and idle else None
+
+
 def run_batched(base: Backend, jobs: list[Job], n_parallel: int, on_done: Callable[[Job], None] | None = None
                 ) -> None:
     """Run ``jobs`` with at most ``n_parallel`` sequences per forward, continuously batched.
 
-    Jobs join in list order as they become ready (a fidelity job after its reference run), skipping any that
-    is not ready yet; each joining group is prefilled in one ragged forward, then every running job decodes
-    one token per forward. Per step only the sampled ids cross to the host (fidelity stays on the device).
+    Jobs join as they become ready (a fidelity job after its reference run; the order: :func:`_next_job`,
+    reference runs first while fewer than ``n_parallel`` are alive, then list order); each joining group is
+    prefilled in one ragged forward, then every running job decodes one token per forward. Per step only the sampled ids cross to the host (fidelity stays on the device).
 
     Args:
         base: the torch backend whose weights every job's view shares (runs ``forward_batch``/``decode_batch``).
@@ -195,6 +221,7 @@ def run_batched(base: Backend, jobs: list[Job], n_parallel: int, on_done: Callab
         raise ValueError(f"-np must be >= 1, got {n_parallel}")
     pending, active = list(jobs), []
     logits = None  # [len(active), vocab] on the device: each running job's next-token logits
+    references: list[GenerationJob] = []   # reference runs started; alive until their last reader is done
 
     def finish(job: Job) -> None:
         job.finish()
@@ -204,10 +231,13 @@ def run_batched(base: Backend, jobs: list[Job], n_parallel: int, on_done: Callab
     while pending or active:
         joiners = []
         while len(active) + len(joiners) < n_parallel:
-            k = next((i for i, j in enumerate(pending) if j.ready()), None)
+            alive = sum(not j.done or j.reference is not None for j in references)
+            k = _next_job(pending, alive < n_parallel, idle=not (active or joiners))
             if k is None:
                 break
             joiners.append(pending.pop(k))
+            if _is_reference(joiners[-1]):
+                references.append(joiners[-1])
         if joiners:
             seqs = [j.backend.new_sequence() for j in joiners]
             t0 = time.perf_counter()
