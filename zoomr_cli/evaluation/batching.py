@@ -207,7 +207,8 @@ def run_batched(base: Backend, jobs: list[Job], n_parallel: int, on_done: Callab
 
     Jobs join as they become ready (a fidelity job after its reference run; the order: :func:`_next_job`,
     reference runs first while fewer than ``n_parallel`` are alive, then list order); each joining group is
-    prefilled in one ragged forward, then every running job decodes one token per forward. Per step only the sampled ids cross to the host (fidelity stays on the device).
+    prefilled in one ragged forward, then every running job decodes one token per forward. Per step only the
+    sampled ids cross to the host (fidelity stays on the device).
 
     Args:
         base: the torch backend whose weights every job's view shares (runs ``forward_batch``/``decode_batch``).
