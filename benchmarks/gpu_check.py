@@ -293,9 +293,11 @@ def main(argv: list[str] | None = None) -> dict:
         report["targets"] = targets(rows)
         save(report, a.json)
     for batch, t in report.get("targets", {}).items():
+        kv = t["full_gpu_vs_zoomr_device_kv"]
+        kv_text = (f"full-gpu holds {kv}× zoomr's device KV (target >= 10)" if kv is not None
+                   else "zoomr holds no device KV here, so the KV ratio is undefined (it needs a CUDA device)")
         print(f"batch {batch}: zoomr tok/s {t['zoomr_vs_offloaded_tok_s']}× full-offloaded (target >= 3), "
-              f"{t['zoomr_vs_full_gpu_tok_s']}× full-gpu; full-gpu holds {t['full_gpu_vs_zoomr_device_kv']}× "
-              "zoomr's device KV (target >= 10)")
+              f"{t['zoomr_vs_full_gpu_tok_s']}× full-gpu; {kv_text}")
     print(f"total {report['seconds']} s")
     return report
 

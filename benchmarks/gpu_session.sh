@@ -11,7 +11,11 @@ set -uo pipefail
 OUT=${OUT:-/tmp/zoomr_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+else
+    echo "no nvidia-smi on this machine (a CPU dry run)" | tee "$OUT/gpu.txt"
+fi
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }

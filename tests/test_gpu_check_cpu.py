@@ -25,6 +25,9 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
         else:   # both evict: zoomr keeps prompt, window and zoomed segments; rkv its budget plus a buffer
             assert row["active_tokens"] < 2400, row
     assert set(report["targets"]) == {"1", "3"} and report["targets"]["3"]["zoomr_vs_offloaded_tok_s"] > 0
+    # with no device KV on the CPU the ratio is undefined, and the summary says so instead of "None×"
+    assert report["targets"]["3"]["full_gpu_vs_zoomr_device_kv"] is None
+    assert "None×" not in r.stdout and "the KV ratio is undefined" in r.stdout
     zoomr = rows[("zoomr", 3)]
     assert zoomr["segments"] >= 2 and zoomr["recomputes"] >= 1 and zoomr["measured_MS"] > 1
 
