@@ -21,7 +21,7 @@ Numbers depend on the machine's load (recorded). A stopped run keeps its records
 cell): ``--resume`` continues it, ``--report-only`` summarizes what is there.
 
     python benchmarks/finetune_demo.py FINETUNED_DIR [-m BASE] [-k 50] [-np 8] [-n 256] [-t 2] [--dtype fp32]
-        [--out demo_out] [--resume] [--report-only] [--json out.json|-]
+        [--window 128] [--out demo_out] [--resume] [--report-only] [--json out.json|-]
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def zoomr_cells(records: list[dict]) -> dict:
 def run_bench(model: str | None, summaries: str, out: Path, args) -> float:
     """``zoomr bench`` (this interpreter's zoomr) on the first K GSM8K problems; returns its wall seconds."""
     cmd = [sys.executable, "-m", "zoomr", "bench", "--dataset", "gsm8k", "--limit", str(args.k),
-           "--policies", "full,zoomr", "--summaries", summaries, "-np", str(args.np), "-n", str(args.n_predict),
+           "--policies", "full,zoomr", "--summaries", summaries, "--window", str(args.window),
+           "-np", str(args.np), "-n", str(args.n_predict),
            "-t", str(args.threads), "--dtype", args.dtype, "--no-live", "--out", str(out)] + (["-m", model] if model else []) + \
           (["--resume"] if args.resume else [])
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
@@ -148,6 +149,9 @@ def main() -> None:
     ap.add_argument("-np", type=int, default=8, help="sequences decoded together (zoomr bench -np)")
     ap.add_argument("-n", "--n-predict", type=int, default=256)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    # 128, not bench's 512: generations of -n 256 never fill a 512-token window, so ZoomR would select
+    # everything and its KV columns would only repeat full KV's
+    ap.add_argument("--window", type=int, default=128, help="ZoomR's recent window (tokens; zoomr bench --window)")
     ap.add_argument("--dtype", default="fp32", help="torch dtype of both models (fp16 matmuls are slow on a CPU)")
     ap.add_argument("--out", default="finetune_demo_out", help="folder for the two bench runs")
     ap.add_argument("--resume", action="store_true", help="continue the bench runs in --out")
