@@ -6,14 +6,15 @@ steps), then decoded greedily for ``--steps`` steps with ``decode_batch`` and ``
 stay on the device; only ids come back). Reported: aggregate decode tok/s (B × steps / seconds) and
 its ratio to B = 1 of the same engine and policy. The largest batch's prompts are prefilled once per
 policy (batched, in one forward; for ``full`` also one after another, both timed) and each batch size
-decodes forks of the first B of them.
+decodes forks of the first B of them; with ``--shared-prompt`` B forks of the first one (best-of-N sampling,
+as rescue's candidates: the forks attend their shared prompt as one group, :mod:`zoomr.backends.torch.cascade`).
 
 The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv and zoomr. Ratios come from one
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
     python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16] [--batches 1 2 4 8 16] [--steps 16]
-        [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded] [--no-llamacpp]
-        [--json out.json|-]
+        [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded] [--shared-prompt]
+        [--no-llamacpp] [--json out.json|-]
 
 ``zoomr`` at its defaults attends every position of these short runs (its 512-token window is not full yet);
 ``zoomr-w64 --warmup 224`` times ZoomR while it selects (window 64, blocks of 32 tokens).
@@ -86,7 +87,8 @@ def torch_rows(args, source) -> list[dict]:
         for attention in args.attention:
             ref = None
             for B in args.batches:
-                seqs = [be.fork(r) for r in roots[:B]]
+                # --shared-prompt: B forks of the first prompt (best-of-N sampling, rescue's candidates)
+                seqs = [be.fork(roots[0]) for _ in range(B)] if args.shared_prompt else [be.fork(r) for r in roots[:B]]
 
                 def step(ss, tok, be=be, attention=attention):
                     return be.forward_batch(ss, [[t] for t in tok], attention=attention)
@@ -145,6 +147,8 @@ def main() -> None:
                     help="shortest prompt (tokens); R-KV B=64 compresses at 192 attended, inside the timed steps")
     ap.add_argument("--policies", nargs="+", default=["full", "rkv", "zoomr"])
     ap.add_argument("--attention", nargs="+", default=["per_seq"], choices=["per_seq", "padded"])
+    ap.add_argument("--shared-prompt", action="store_true",
+                    help="torch: every sequence of a batch is a fork of the same prompt (best-of-N) instead of its own")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--json", default=None, help="write the record here ('-': stdout)")
     args = ap.parse_args()
@@ -157,6 +161,7 @@ def main() -> None:
     if not args.no_llamacpp and source.kind == "gguf":
         rows += llamacpp_rows(args, source)
     record = {"model": source.name, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+              "shared_prompt": args.shared_prompt,
               "cpus": os.cpu_count(),
               "load_avg_start": load0, "load_avg_end": os.getloadavg(), "rows": rows}
     print(f"{'engine':9} {'dtype':5} {'policy':9} {'attention':9} {'B':>3} {'tok/s':>8} {'×B=1':>6} {'attended':>9}",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from zoomr.kvstore.base import KVCache
 
+from .cascade import attend_shared_prefix, shared_prefix_groups
 from .config import ModelConfig
 from .head import EXACT_TOP_K, ExactTopHead
 from .quant import DenseLinear, GroupQuant, Int4Linear, Int8Linear, Linear, QuantEmbedding, check_quant, make_linear
@@ -323,7 +324,10 @@ class Decoder:
 
         Norms, projections, MLP and LM head run once over all S = Σ lengths rows; attention runs per
         sequence over what its own cache (its own policy and selection) answers, so caches of different
-        lengths and selections mix freely in one forward.
+        lengths and selections mix freely in one forward. In a decode step, forks whose caches hand back
+        the same frozen parts (forks of one prompt or one committed rescue state) attend them as one
+        group (:func:`zoomr.backends.torch.cascade.attend_shared_prefix`: one product per shared part for
+        the whole group); their rows equal per-sequence attention up to fp32 rounding.
 
         Args:
             ids: [S] int64 token ids; sequence b owns ``lengths[b]`` consecutive rows, in batch order.
@@ -369,12 +373,22 @@ class Decoder:
             if attention == "padded":
                 self._attend_padded(li, q, k, v, caches, o)
             else:
+                parts_all = []
                 for (a, b), cache in zip(bounds, caches):
                     update_parts = getattr(cache, "update_parts", None)
                     if update_parts is None:
-                        parts = [cache.update(li, q[:, a:b], k[:, a:b], v[:, a:b])]
+                        parts_all.append([cache.update(li, q[:, a:b], k[:, a:b], v[:, a:b])])
                     else:
-                        parts = update_parts(li, q[:, a:b], k[:, a:b], v[:, a:b])
+                        parts_all.append(update_parts(li, q[:, a:b], k[:, a:b], v[:, a:b]))
+                done = set()
+                if S == len(lengths):   # decode: forks reading one shared prefix attend it as a group
+                    for rows in shared_prefix_groups(parts_all):
+                        ob = attend_shared_prefix(q[:, rows], parts_all[rows[0]][:-1], [parts_all[r][-1] for r in rows])
+                        o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d)
+                        done.update(rows)
+                for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
+                    if row in done:
+                        continue
                     T, N = b - a, sum(K.shape[1] for K, _ in parts)
                     mask = None
                     if T > 1:
