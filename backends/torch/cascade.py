@@ -26,13 +26,16 @@ def shared_prefix_groups(parts_per_row: list[Parts]) -> list[list[int]]:
         parts_per_row: for each row (one new token of one sequence), the (K [Hkv, n_i, d], V) parts it
             attends in position order, the sequence's own positions last.
     Returns:
-        groups of ≥ 2 row indices, ascending; rows with a single part, or whose leading parts no other
-        row shares, are in none. Parts count as shared when they are the same memory (pointer, length
-        and strides of K and V), so what is grouped is equal by construction, never compared.
+        groups of ≥ 2 row indices, ascending; rows with a single part, whose leading parts no other row
+        shares, or whose own part is longer than the shared ones are in none. Parts count as shared when
+        they are the same memory (pointer, length and strides of K and V), so what is grouped is equal by
+        construction, never compared. The length rule is a cost one: the group copies the own parts into
+        one padded tensor at every layer, which pays while the prefix it reads once is the larger part
+        (a fork decoding far past its prompt goes back to the per-sequence path).
     """
     groups: dict[tuple, list[int]] = {}
     for row, parts in enumerate(parts_per_row):
-        if len(parts) < 2:
+        if len(parts) < 2 or parts[-1][0].shape[1] > sum(K.shape[1] for K, _ in parts[:-1]):
             continue
         key = tuple((K.data_ptr(), V.data_ptr(), K.shape, K.stride(), V.stride()) for K, V in parts[:-1])
         groups.setdefault(key, []).append(row)

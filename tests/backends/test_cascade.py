@@ -37,6 +37,9 @@ def test_groups_are_rows_sharing_the_same_leading_memory():
     # row 1 has no shared part, row 3 a shorter view of the same buffer: neither joins rows 0, 2, 4
     assert shared_prefix_groups(parts) == [[0, 2, 4]]
     assert shared_prefix_groups([[prefix, own[0]], [other, own[1]]]) == []
+    # an own part longer than the prefix (a fork far past its prompt) is attended on its own
+    long_own = (torch.zeros(3, 11, 4), torch.zeros(3, 11, 4))
+    assert shared_prefix_groups([[prefix, own[0]], [prefix, long_own], [prefix, own[2]]]) == [[0, 2]]
 
 
 def _family(be, prompt, other):
