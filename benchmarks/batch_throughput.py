@@ -7,13 +7,14 @@ stay on the device; only ids come back). Reported: aggregate decode tok/s (B × 
 its ratio to B = 1 of the same engine and policy. The largest batch's prompts are prefilled once per
 policy (batched, in one forward; for ``full`` also one after another, both timed) and each batch size
 decodes forks of the first B of them; with ``--shared-prompt`` B forks of the first one (best-of-N sampling,
-as rescue's candidates: the forks attend their shared prompt as one group, :mod:`zoomr.backends.torch.cascade`).
+as rescue's candidates), whose shared prompt ``--attention cascade`` attends as one group
+(:mod:`zoomr.backends.torch.cascade`).
 
 The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv and zoomr. Ratios come from one
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
     python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16] [--batches 1 2 4 8 16] [--steps 16]
-        [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded] [--shared-prompt]
+        [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded cascade] [--shared-prompt]
         [--no-llamacpp] [--json out.json|-]
 
 ``zoomr`` at its defaults attends every position of these short runs (its 512-token window is not full yet);
@@ -146,7 +147,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=176,
                     help="shortest prompt (tokens); R-KV B=64 compresses at 192 attended, inside the timed steps")
     ap.add_argument("--policies", nargs="+", default=["full", "rkv", "zoomr"])
-    ap.add_argument("--attention", nargs="+", default=["per_seq"], choices=["per_seq", "padded"])
+    ap.add_argument("--attention", nargs="+", default=["per_seq"], choices=["per_seq", "padded", "cascade"],
+                    help="forward_batch's attention modes to time (cascade: forks of one prompt as one group; "
+                         "pair it with --shared-prompt)")
     ap.add_argument("--shared-prompt", action="store_true",
                     help="torch: every sequence of a batch is a fork of the same prompt (best-of-N) instead of its own")
     ap.add_argument("--no-llamacpp", action="store_true")

@@ -6,7 +6,8 @@ then a short part of their own (:class:`zoomr.kvstore.base.FullKVCache`,
 score and value products over the shared prefix in small calls of its own; read as a group, the
 queries of all forks are stacked, so each shared part costs one product for the whole group and the
 own parts one zero-padded product. The softmax is taken jointly over the shared and own scores, so each
-row equals attention over its fork's parts concatenated.
+row equals attention over its fork's parts concatenated, up to the rounding of the reordered fp32 sums:
+hence opt-in, ``Decoder.forward_batch(..., attention="cascade")`` (see there), never the default.
 
 Source: cascade (shared-prefix) attention as in FlashInfer's cascade inference and Hydragen; the
 arithmetic is :func:`zoomr.backends.torch.model.attend_parts`'s, batched over forks.

@@ -26,6 +26,9 @@ from .head import EXACT_TOP_K, ExactTopHead
 from .quant import DenseLinear, GroupQuant, Int4Linear, Int8Linear, Linear, QuantEmbedding, check_quant, make_linear
 from .rope import RotaryTable, apply_rotary, inv_frequencies
 
+# forward_batch's attention modes; auto is per_seq (see Decoder.forward_batch)
+ATTENTION_MODES = ("auto", "per_seq", "padded", "cascade")
+
 
 def default_kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The KV-cache / attention dtype when none is asked for: the compute dtype on CUDA, float32 on a CPU.
@@ -324,10 +327,7 @@ class Decoder:
 
         Norms, projections, MLP and LM head run once over all S = Σ lengths rows; attention runs per
         sequence over what its own cache (its own policy and selection) answers, so caches of different
-        lengths and selections mix freely in one forward. In a decode step, forks whose caches hand back
-        the same frozen parts (forks of one prompt or one committed rescue state) attend them as one
-        group (:func:`zoomr.backends.torch.cascade.attend_shared_prefix`: one product per shared part for
-        the whole group); their rows equal per-sequence attention up to fp32 rounding.
+        lengths and selections mix freely in one forward.
 
         Args:
             ids: [S] int64 token ids; sequence b owns ``lengths[b]`` consecutive rows, in batch order.
@@ -335,12 +335,19 @@ class Decoder:
             lengths: B ≥ 1 token counts, each ≥ 1.
             caches: B distinct caches; ``caches[b].update`` is called once per layer with sequence b's rows.
             all_logits: logits of every row [S, vocab] instead of each sequence's last row [B, vocab].
-            attention: ``per_seq`` (one SDPA call per sequence), ``padded`` (decode only: every length 1;
-                the B attended sets zero-padded to the longest and masked, one SDPA call), or ``auto``
-                (``per_seq``). On a 2-core CPU the two were equal within the run-to-run noise at batch
-                1-16 (benchmarks/batch_throughput.py --attention per_seq padded), while the
-                projections took ~75 % of a batch-8 step; ``padded`` needs no per-length kernel and is
-                the natural one for a device where each SDPA launch costs (not measured on CUDA yet).
+            attention: ``per_seq`` (one SDPA call per sequence: each row's logits are bitwise those of
+                the sequence run alone, whatever else is in the batch), ``padded`` (decode only: every
+                length 1; the B attended sets zero-padded to the longest and masked, one SDPA call),
+                ``cascade`` (decode: forks whose caches hand back the same frozen parts, such as the
+                forks of one prompt, attend them as one group,
+                :func:`zoomr.backends.torch.cascade.attend_shared_prefix`; other rows as ``per_seq``), or
+                ``auto`` (``per_seq``). ``padded`` and ``cascade`` reorder the fp32 sums of attention, so
+                their logits equal ``per_seq``'s only to rounding (≤ 2.5e-4 in fp32; with bf16 linears
+                that rounding can change a greedy token within a few steps), which is why neither is the
+                default: a batch must not change what a sequence generates. On a 2-core CPU ``per_seq``
+                and ``padded`` were equal within the run-to-run noise at batch 1-16, and ``cascade`` gains
+                where many forks share a long prompt (benchmarks/batch_throughput.py --attention ...
+                --shared-prompt); not measured on CUDA yet.
             return_hidden: the final-norm hidden states ([B or S, hidden]) instead of logits.
         Returns:
             float32 logits on the model's device, [B, vocab] (or [S, vocab] with ``all_logits``).
@@ -352,8 +359,8 @@ class Decoder:
         H, Hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if attention == "auto":
             attention = "per_seq"
-        if attention not in ("per_seq", "padded"):
-            raise ValueError(f"attention mode {attention!r} unknown (choose from auto, per_seq, padded)")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention mode {attention!r} unknown (choose from {', '.join(ATTENTION_MODES)})")
         if attention == "padded" and S != len(lengths):
             raise ValueError("padded attention decodes one token per sequence; prefill uses per_seq")
         bounds, s0 = [], 0
@@ -381,10 +388,12 @@ class Decoder:
                     else:
                         parts_all.append(update_parts(li, q[:, a:b], k[:, a:b], v[:, a:b]))
                 done = set()
-                if S == len(lengths):   # decode: forks reading one shared prefix attend it as a group
+                if attention == "cascade" and S == len(lengths):   # decode: forks of one prefix as a group
                     for rows in shared_prefix_groups(parts_all):
                         ob = attend_shared_prefix(q[:, rows], parts_all[rows[0]][:-1], [parts_all[r][-1] for r in rows])
-                        o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d)
+                        # index_put does not cast: the group's rows come back in the attention dtype
+                        # (fp32 KV beside bf16 linears on a CPU), o is in the linears' dtype
+                        o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d).to(o.dtype)
                         done.update(rows)
                 for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
                     if row in done:
