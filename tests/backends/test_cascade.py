@@ -11,6 +11,7 @@ from zoomr.backends.torch.model import attend_parts
 from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
 
 PROMPT = "Count: 1, 2, 3, 4, 5, 6, 7, 8. Next we add the numbers and then we"
+OTHER = "Tom has 3 apples and buys 5 more, so"
 
 
 @pytest.mark.parametrize("own_lengths", [[3, 3, 3, 3], [1, 4, 2, 7, 1]])
@@ -42,16 +43,18 @@ def test_groups_are_rows_sharing_the_same_leading_memory():
     assert shared_prefix_groups([[prefix, own[0]], [prefix, long_own], [prefix, own[2]]]) == [[0, 2]]
 
 
-def _family(be, prompt, other):
-    """Four forks of ``prompt`` with own parts of 0-3 tokens (ragged), and one unforked sequence."""
+def _family(be):
+    """(parent, rows): four forks of PROMPT with own parts of 0-3 tokens (ragged), and one unforked sequence
+    of OTHER."""
+    tok = be.tokenizer
     parent = be.new_sequence()
-    be.prefill(parent, prompt)
+    be.prefill(parent, tok.encode(PROMPT, add_bos=False, special=False))
     kids = [be.fork(parent) for _ in range(4)]
     for kid, extra in zip(kids, [[], [101], [102, 103], [104, 105, 106]]):
         if extra:
             be.prefill(kid, extra)
     lone = be.new_sequence()
-    be.prefill(lone, other)
+    be.prefill(lone, tok.encode(OTHER, add_bos=False, special=False))
     return parent, kids + [lone]
 
 
@@ -84,11 +87,8 @@ def test_forks_decoded_as_a_batch_attend_their_prefix_as_a_group(torch_backend, 
     decoded together: the same greedy tokens and logits (2.5e-4) as the same family decoded one sequence at a
     time, and the forks (only they) went through the group path at every layer."""
     be = _policy_backend(torch_backend, policy)
-    tok = be.tokenizer
-    prompt = tok.encode(PROMPT, add_bos=False, special=False)
-    other = tok.encode("Tom has 3 apples and buys 5 more, so", add_bos=False, special=False)
-    parent, batch = _family(be, prompt, other)
-    _, alone = _family(be, prompt, other)
+    parent, batch = _family(be)
+    _, alone = _family(be)
 
     groups = _spy_groups(monkeypatch)
     nxt = [7, 8, 9, 10, 11]
@@ -103,7 +103,8 @@ def test_forks_decoded_as_a_batch_attend_their_prefix_as_a_group(torch_backend, 
         assert nxt == [int(np.argmax(r)) for r in ref]
     assert groups == [4] * (4 * be.cfg.n_layers)   # the four forks, every layer, every step; the lone row apart
     assert [s.tokens for s in batch] == [s.tokens for s in alone]
-    assert parent.tokens == prompt                 # the parent saw none of its forks' tokens
+    # the parent saw none of its forks' tokens
+    assert parent.tokens == be.tokenizer.encode(PROMPT, add_bos=False, special=False)
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +128,7 @@ def test_forks_in_a_default_batch_decode_bitwise_as_alone_with_bf16_linears(defa
     decoded alone to 1e-4 (what differs is the int4 kernel's row blocking) and the same tokens, and the
     cascade mode runs in this dtype mix (it once stopped with index_put's dtype error)."""
     be = _policy_backend(default_cpu_backend, policy)
-    tok = be.tokenizer
-    prompt = tok.encode(PROMPT, add_bos=False, special=False)
-    other = tok.encode("Tom has 3 apples and buys 5 more, so", add_bos=False, special=False)
-    _, batch = _family(be, prompt, other)
-    _, alone = _family(be, prompt, other)
-    _, grouped = _family(be, prompt, other)
+    (_, batch), (_, alone), (_, grouped) = _family(be), _family(be), _family(be)
     groups = _spy_groups(monkeypatch)
     nxt = [7, 8, 9, 10, 11]
     for _ in range(8):
