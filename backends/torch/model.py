@@ -341,10 +341,10 @@ class Decoder:
                 ``cascade`` (decode: forks whose caches hand back the same frozen parts, such as the
                 forks of one prompt, attend them as one group,
                 :func:`zoomr.backends.torch.cascade.attend_shared_prefix`; other rows as ``per_seq``), or
-                ``auto`` (``per_seq``). ``padded`` and ``cascade`` reorder the fp32 sums of attention, so
-                their logits equal ``per_seq``'s only to rounding (≤ 2.5e-4 in fp32; with bf16 linears
-                that rounding can change a greedy token within a few steps), which is why neither is the
-                default: a batch must not change what a sequence generates. On a 2-core CPU ``per_seq``
+                ``auto`` (``per_seq``). ``padded`` and ``cascade`` run other kernels over other shapes, so
+                their logits equal ``per_seq``'s to rounding, not bitwise (tested at 1e-4 and 2.5e-4 in
+                fp32; with bf16 linears the cascade's rounding changed a greedy token by the sixth step),
+                which is why neither is the default: a batch must not change what a sequence generates. On a 2-core CPU ``per_seq``
                 and ``padded`` were equal within the run-to-run noise at batch 1-16, and ``cascade`` gains
                 where many forks share a long prompt (benchmarks/batch_throughput.py --attention ...
                 --shared-prompt); not measured on CUDA yet.
