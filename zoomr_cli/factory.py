@@ -8,8 +8,7 @@ from typing import Callable
 
 from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
-from zoomr.kvstore.registry import (REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, knob_flags,
-                                    policy_info)
+from zoomr.kvstore.registry import REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, knob_flags
 
 from zoomr.errors import UserError
 from zoomr.options import RunOptions
@@ -96,15 +95,16 @@ def check_options(opts: RunOptions) -> None:
     it says "loading model…".
 
     Raises:
-        UserError: unknown backend, policy, ``--dtype``, ``--quant`` or ``--kv-dtype``; a half ``--dtype`` with
-            ``--quant fp16``; ``-c``/``-n``/``-t``/``-ngl`` out of range (:func:`check_lengths`); a policy size
-            not below ``-c`` (:func:`check_knob_sizes`); torch-only flags with ``--backend llamacpp``.
+        UserError: unknown backend, policy (or one the backend does not run), ``--dtype``, ``--quant`` or
+            ``--kv-dtype``; a half ``--dtype`` with ``--quant fp16``; ``-c``/``-n``/``-t``/``-ngl`` out of range
+            (:func:`check_lengths`); a policy size not below ``-c`` (:func:`check_knob_sizes`); torch-only
+            flags with ``--backend llamacpp``.
         ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
     """
     if opts.backend not in BACKENDS:
         raise UserError(f"--backend {opts.backend!r} unknown (choose from {', '.join(BACKENDS)})")
-    try:
-        policy_info(opts.policy)
+    try:   # unknown, or one this backend cannot run (llama.cpp exposes no attention scores or queries)
+        check_backend(opts.policy, opts.backend)
     except ValueError as e:
         raise UserError(str(e)) from None
     opts.check_knobs()

@@ -74,11 +74,15 @@ def test_hf_directory_is_refused(tmp_path):
         LlamaCppBackend(ModelSource("hf", tmp_path, "x"))
 
 
-def test_cli_unsupported_policy_is_one_line_exit_2():
-    r = subprocess.run(zoomr_cmd() + ["solve", "-p", "What is 2+3?", "--backend", "llamacpp", "--policy", "h2o",
-                                      "--no-live"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("command", ["solve", "chat"])
+def test_cli_unsupported_policy_is_one_line_exit_2(command):
+    """Refused with the flags, before any model loads: the error is the only line on stderr (it once came
+    after "loading model…")."""
+    args = ["solve", "-p", "What is 2+3?"] if command == "solve" else ["chat"]
+    r = subprocess.run(zoomr_cmd() + args + ["--backend", "llamacpp", "--policy", "h2o", "--no-live"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, input="")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert lines[-1].startswith("zoomr: error: --policy h2o needs")
-    assert "supports full, streaming, sumr" in lines[-1]
-    assert not any("llama" in ln and "zoomr" not in ln for ln in lines)  # no C-level log lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("zoomr: error: --policy h2o needs")
+    assert "supports full, streaming, sumr" in lines[0]

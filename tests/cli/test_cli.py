@@ -248,6 +248,10 @@ def test_a_record_that_cannot_be_written_at_the_end_goes_to_the_temp_dir(unwrita
     (["--rescue", "--budget", "9000"], "--budget 9000 is not below -c"),
     # the -ngl note ("has no effect ... CPU") is said when the model loads, so a refused run prints its error alone
     (["-ngl", "99", "--policy", "rkv", "--budget", "9999"], "--budget 9999"),
+    # a policy llama.cpp cannot run is known from the flags (it came after "loading model…")
+    (["--backend", "llamacpp", "--policy", "zoomr"], "--policy zoomr needs"),
+    # the rescue loop ends at a committed end-of-sequence: --ignore-eos was accepted and did nothing
+    (["--rescue", "--ignore-eos"], "--ignore-eos does not apply to --rescue"),
 ])
 def test_bad_model_flags_are_refused_before_the_model_loads(flags, needle):
     r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", *flags)

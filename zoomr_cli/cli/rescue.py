@@ -11,6 +11,7 @@ import contextlib
 import signal
 
 from zoomr.backends.sampling import Sampler
+from zoomr.errors import UserError
 
 from zoomr.factory import build_backend, check_options
 from zoomr.prompts import system_with_summaries
@@ -84,6 +85,9 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     Raises:
         UserError / ValueError: bad flags or models (one line, exit 2).
     """
+    if opts.ignore_eos:   # a committed end-of-sequence ends the run: the loop cannot be made to fill -n
+        raise UserError("--ignore-eos does not apply to --rescue: its run ends at a committed end-of-sequence, "
+                        "-n, -c or --max-steps")
     plan = plan_rescue(ropts, opts)
     sampler = Sampler(opts.sampling(default_temp=0.8))
     for flag, flag_opts in (("base", plan.base_opts), ("--helper", plan.helper_opts)):  # before any model loads
