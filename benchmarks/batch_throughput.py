@@ -31,6 +31,8 @@ import time
 import numpy as np
 from _report import engine_parser, write_json  # benchmarks/ is on sys.path when a script runs
 
+from zoomr.backends.torch.model import ATTENTION_MODES
+
 
 def prompts(tokenizer, base: int, n: int) -> list[list[int]]:
     text = " ".join(f"Step {i}: we add {i} apples to the basket and count them again." for i in range(400))
@@ -147,7 +149,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=176,
                     help="shortest prompt (tokens); R-KV B=64 compresses at 192 attended, inside the timed steps")
     ap.add_argument("--policies", nargs="+", default=["full", "rkv", "zoomr"])
-    ap.add_argument("--attention", nargs="+", default=["per_seq"], choices=["per_seq", "padded", "cascade"],
+    ap.add_argument("--attention", nargs="+", default=["per_seq"], choices=[m for m in ATTENTION_MODES if m != "auto"],
                     help="forward_batch's attention modes to time (cascade: forks of one prompt as one group; "
                          "pair it with --shared-prompt)")
     ap.add_argument("--shared-prompt", action="store_true",

@@ -344,10 +344,11 @@ class Decoder:
                 ``auto`` (``per_seq``). ``padded`` and ``cascade`` run other kernels over other shapes, so
                 their logits equal ``per_seq``'s to rounding, not bitwise (tested at 1e-4 and 2.5e-4 in
                 fp32; with bf16 linears the cascade's rounding changed a greedy token by the sixth step),
-                which is why neither is the default: a batch must not change what a sequence generates. On a 2-core CPU ``per_seq``
-                and ``padded`` were equal within the run-to-run noise at batch 1-16, and ``cascade`` gains
-                where many forks share a long prompt (benchmarks/batch_throughput.py --attention ...
-                --shared-prompt); not measured on CUDA yet.
+                which is why neither is the default: a batch must not change what a sequence generates.
+                On a 2-core CPU ``per_seq`` and ``padded`` were equal within the run-to-run noise at batch
+                1-16, and ``cascade`` gains where many forks share a long prompt
+                (benchmarks/batch_throughput.py --attention per_seq cascade --shared-prompt); not measured
+                on CUDA yet.
             return_hidden: the final-norm hidden states ([B or S, hidden]) instead of logits.
         Returns:
             float32 logits on the model's device, [B, vocab] (or [S, vocab] with ``all_logits``).

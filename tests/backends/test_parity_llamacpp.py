@@ -42,9 +42,9 @@ def test_quantized_bf16_path_matches_llamacpp(torch_backend, reference):
 
     The issue's target was top-1 >= 0.98 and KL <= 0.003, met on an AVX512-BF16 CPU (0.9844 / 0.00287, the fp32
     decoder there 0.00255). The fp32 decoder's own gap to llama.cpp moves with the CPU (llama.cpp and oneDNN take
-    other kernels there): on an AVX2 CPU it is 0.00286, and the int4 path 0.9844 / 0.00326. So what is asserted is what the
-    quantized path adds to the fp32 decoder's gap on this CPU: 0.00032 (AVX512) and 0.00040 (AVX2) nats
-    measured, bound 0.0005. With the head's bf16 logits (no exact top-64) it added 0.00086 on the AVX2 CPU,
+    other kernels there): on an AVX2 CPU it is 0.00286, and the int4 path 0.9844 / 0.00326. So what is asserted
+    is what the quantized path adds to the fp32 decoder's gap on this CPU: 0.00032 (AVX512) and 0.00040 (AVX2)
+    nats measured, bound 0.0005. With the head's bf16 logits (no exact top-64) it added 0.00086 on the AVX2 CPU,
     top-1 0.9707: both fail."""
     from zoomr.backends.models import resolve_model
     from zoomr.backends.torch.engine import TorchBackend
