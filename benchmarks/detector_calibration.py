@@ -6,9 +6,12 @@ it should keep, and how often it catches text that it should abort, with three g
 * ``before``: the constant τ_cmp = 0.18 at every fill of the 800-character window (zoomr up to issue 12: a
   short text was judged on its whole length as if it were a full window);
 * ``scaled``: :meth:`DetectorConfig.gzip_threshold`, τ_cmp · n / 800 for a window of n < 800 characters,
-  gzip alone;
+  gzip alone; since issue 29 a text that ends in a sentence repeated verbatim (a unit holding a word, not
+  cells, numbers or LaTeX commands: :func:`zoomr.rescue.degeneration.prose_unit`) is judged by τ_cmp itself;
 * ``after``: what ships: ``scaled`` plus the periodic-tail ``"cycle"`` test (digits masked; 256 characters
-  of repeat once the window is full, or 64 copies of one unit, 32 if they cover 256 characters);
+  of repeat once the window is full, or 64 copies of one unit, 32 if they cover 256 characters; since
+  issue 29 read over the committed steps before the candidate too, and a fourth copy of a unit holding the
+  step end after three committed ones);
 * ``full_window``: no gzip abort at all before 800 characters (the alternative considered and rejected:
   a loop of one-character tokens never fills the window within a 512-token step).
 
@@ -17,14 +20,22 @@ model's tokenizer, one ``observe`` per token with the text the token completes (
 the step limit (512 tokens). Sets:
 
 1. Real steps: GSM8K worked answers split at newlines, MATH500 solutions split at blank lines (the loop's
-   step end), each with its separator. "200 steps": the first 100 steps of each data set in file order;
-   "all steps": every step of both (gzip alone).
+   step end), each with its separator, fed after the solution's earlier steps as the committed history.
+   "200 steps": the first 100 steps of each data set in file order; "all steps": every step of both
+   (gzip alone).
 2. Short repetitive legitimate steps (< 800 characters), built here: Markdown tables, truth tables, lists of
    equations, ``align*`` blocks, 1 + 1 + … + 1, zero matrices, enumerations.
 3. Synthetic loops, 100 of each family: a real sentence repeated; one vocabulary token repeated (80 drawn
    uniformly from the vocabulary, 20 common short ones); cycles of 2–5 real sentences; numbers counting up
    (10 templates × 10 starts). Nothing contains the step end "\\n\\n" (that would end the step, not loop).
 4. Incoherent text: token ids drawn uniformly from the vocabulary.
+5. (issue 29) Loops across steps, 100: a real sentence as a whole step (``…\n\n``) committed three times,
+   the candidate its fourth copy (50); two sentences as two steps, the pair committed three times, the
+   candidate the first again (25); a sentence loop without a blank line that filled a whole step (512
+   tokens, cut there), the candidate going on with it (25). Each is counted on the candidate alone.
+6. (issue 29) Short units, 100: real sentences of 20–66 characters repeated, one character per token
+   (the worst case: 512 tokens hold 512 characters). The repetitive legitimate steps are also fed after
+   another one as their committed history (a compressible step before must not abort the next).
 
 Without a model the entropy signal is unknown: every token is observed with entropy 0, so these numbers are
 the gzip signal alone (incoherent text is then never caught: it does not compress). ``--model`` runs the
@@ -79,7 +90,7 @@ class FullWindowOnly(DetectorConfig):
         return self.min_gzip_ratio if chars >= self.gzip_window else 0.0
 
 
-GZIP_ONLY = {"repeat_chars": 0, "max_copies": 0}
+GZIP_ONLY = {"repeat_chars": 0, "max_copies": 0, "step_copies": 0}
 VARIANTS = {"before": ConstantThreshold(**GZIP_ONLY), "scaled": DetectorConfig(**GZIP_ONLY), "after": DetectorConfig(),
             "full_window": FullWindowOnly(**GZIP_ONLY)}
 
@@ -92,6 +103,8 @@ class Text:
     family: str
     ids: list[int]
     entropies: list[float] | None = None
+    history: str = ""              # committed steps before it (the detector reads their tail)
+    chars: list[str] | None = None  # its pieces, when fed other than token by token (then ``ids`` is unused)
 
 
 def pieces(tokenizer, ids: list[int]) -> list[str]:
@@ -100,12 +113,14 @@ def pieces(tokenizer, ids: list[int]) -> list[str]:
     return [dec.push(i) for i in ids]
 
 
-def run_detector(config: DetectorConfig, text_pieces: list[str], entropies: list[float] | None) -> dict:
-    """Feed one text token by token; the abort (token index, reason) and the smallest gzip margin seen.
+def run_detector(config: DetectorConfig, text_pieces: list[str], entropies: list[float] | None,
+                 history: str = "") -> dict:
+    """Feed one text token by token after ``history``; the abort (token index, reason) and the smallest gzip
+    margin seen.
 
     The margin is min over windows of ratio / threshold (> 1: that window was kept), so how close the text
     came to a repetition abort."""
-    det = DegenerationDetector(config)
+    det = DegenerationDetector(config, history=history, step_end=STEP_END)
     margin = float("inf")
     for i, piece in enumerate(text_pieces):
         s = det.observe(piece, 0.0 if entropies is None else entropies[i])
@@ -118,8 +133,9 @@ def run_detector(config: DetectorConfig, text_pieces: list[str], entropies: list
 
 def evaluate(tokenizer, texts: list[Text], variants: dict[str, DetectorConfig]) -> dict[str, list[dict]]:
     """Every text through every variant: {variant: [result per text]}."""
-    fed = [(t, pieces(tokenizer, t.ids[:STEP_TOKENS])) for t in texts]
-    return {v: [dict(run_detector(cfg, p, t.entropies), name=t.name, family=t.family) for t, p in fed]
+    fed = [(t, t.chars[:STEP_TOKENS] if t.chars is not None else pieces(tokenizer, t.ids[:STEP_TOKENS]))
+           for t in texts]
+    return {v: [dict(run_detector(cfg, p, t.entropies, t.history), name=t.name, family=t.family) for t, p in fed]
             for v, cfg in variants.items()}
 
 
@@ -260,6 +276,34 @@ def loop_texts(tokenizer, sents: list[str], seed: int = 0) -> list[Text]:
     return out
 
 
+def cross_step_loops(tokenizer, sents: list[str], seed: int = 2) -> list[Text]:
+    """Set 5: loops whose copies are committed steps (or that filled one), the candidate one more copy."""
+    rng = random.Random(seed)
+    enc = lambda s: tokenizer.encode(s, special=False)
+    picked = rng.sample(sents, 100)
+    out = []
+    for i, s in enumerate(picked[:50]):
+        unit = s + STEP_END
+        out.append(Text(f"steps1_{i}", "cross_step", enc(unit), history=unit * 3))
+    for i in range(25):
+        a, b = picked[50 + 2 * i] + STEP_END, picked[51 + 2 * i] + STEP_END
+        out.append(Text(f"steps2_{i}", "cross_step", enc(a), history=(a + b) * 3))
+    for i, s in enumerate(picked[:25]):
+        ids = enc(looped(s + " "))
+        # the loop filled a whole step (cut at the step limit); the candidate is its continuation
+        out.append(Text(f"outlast_{i}", "cross_step", ids[STEP_TOKENS:2 * STEP_TOKENS],
+                        history=tokenizer.decode(ids[:STEP_TOKENS])))
+    return out
+
+
+def short_unit_loops(sents: list[str], seed: int = 3) -> list[Text]:
+    """Set 6: sentences of 20–66 characters repeated, one character per token."""
+    rng = random.Random(seed)
+    short = sorted({s for s in sents if 20 <= len(s) + 1 <= 66})
+    return [Text(f"short_{i}_unit_{len(s) + 1}", "short_unit", [], chars=list(looped(s + " ")))
+            for i, s in enumerate(rng.sample(short, 100))]
+
+
 def random_token_ids(tokenizer, n: int, length: int, seed: int = 1) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     eos = np.fromiter(tokenizer.eos_ids, dtype=np.int64)
@@ -304,7 +348,8 @@ def model_texts(backend, sets: dict, n_random: int, random_len: int) -> tuple[li
             hs = step_entropies(backend, solve_prompt(tok, question), ids)
             print(f"  {name} problem {p}: {sum(map(len, ids))} tokens, {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr)
-            real += [Text(f"{name}_{p}_{j}", name, ids[j], hs[j]) for i, j in picked if i == p]
+            real += [Text(f"{name}_{p}_{j}", name, ids[j], hs[j], history="".join(steps[:j]))
+                     for i, j in picked if i == p]
     gsm = sets["gsm8k"][0]
     prompt = solve_prompt(tok, gsm[0][0])
     base = backend.new_sequence()
@@ -343,33 +388,49 @@ def run(a) -> int:
     probs = {name: solution_steps(name) for name in ("gsm8k", "math500")}
     picked = {name: (p, first_steps(p, 100)) for name, p in probs.items()}
     enc = lambda s: tok.encode(s, special=False)
-    steps200 = [Text(f"{n}_{i}_{j}", n, enc(p[i][1][j])) for n, (p, pk) in picked.items() for i, j in pk]
-    all_steps = [Text(f"{n}_{i}_{j}", n, enc(s)) for n, p in probs.items() for i, (_, ss) in enumerate(p)
-                 for j, s in enumerate(ss)]
-    legit = [Text(k, "repetitive_legit", enc(v)) for k, v in repetitive_legit_steps().items()]
-    loops = loop_texts(tok, sentences(probs["gsm8k"]) + sentences(probs["math500"]))
+    steps200 = [Text(f"{n}_{i}_{j}", n, enc(p[i][1][j]), history="".join(p[i][1][:j]))
+                for n, (p, pk) in picked.items() for i, j in pk]
+    all_steps = [Text(f"{n}_{i}_{j}", n, enc(s), history="".join(ss[:j])) for n, p in probs.items()
+                 for i, (_, ss) in enumerate(p) for j, s in enumerate(ss)]
+    legit_steps = repetitive_legit_steps()
+    legit = [Text(k, "repetitive_legit", enc(v)) for k, v in legit_steps.items()]
+    # each after the one before it (the first after the last) as its committed step: a compressible history
+    # must not abort the next
+    before = list(legit_steps.values())
+    legit_after = [Text(t.name, "repetitive_legit_after", t.ids, history=prev + STEP_END)
+                   for t, prev in zip(legit, before[-1:] + before[:-1])]
+    sents = sentences(probs["gsm8k"]) + sentences(probs["math500"])
+    loops = loop_texts(tok, sents)
+    new_loops = cross_step_loops(tok, sents) + short_unit_loops(sents)
     randoms = [Text(f"random_{k}", "random", ids) for k, ids in enumerate(random_token_ids(tok, a.incoherent, 64))]
     print(f"sets built ({time.perf_counter() - t0:.0f} s): {len(steps200)} + {len(all_steps)} real steps, "
-          f"{len(legit)} repetitive legitimate steps, {len(loops)} loops, {len(randoms)} random-token steps",
+          f"{len(legit)} repetitive legitimate steps, {len(loops)} + {len(new_loops)} loops, "
+          f"{len(randoms)} random-token steps",
           file=sys.stderr)
 
     # full_window aborts ⊆ before's: not rerun on 7097 steps
     two = {k: VARIANTS[k] for k in ("before", "scaled", "after")}
     gz = {"steps_200": evaluate(tok, steps200, VARIANTS), "all_steps": evaluate(tok, all_steps, two),
           "repetitive_legit": evaluate(tok, legit, VARIANTS), "loops": evaluate(tok, loops, VARIANTS),
+          "repetitive_legit_after": evaluate(tok, legit_after, VARIANTS),
+          "new_loops": evaluate(tok, new_loops, VARIANTS),
           "incoherent": evaluate(tok, randoms, VARIANTS)}
     print(f"gzip alone done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     report = {
         "detector": dataclasses.asdict(DetectorConfig()), "step_tokens": STEP_TOKENS,
         "shortest_gzip_abort_chars": {v: shortest_gzip_abort(c) for v, c in VARIANTS.items()},
         "gzip_alone": {
-            "false_aborts": {s: {v: summary(r) for v, r in gz[s].items()} for s in ("steps_200", "all_steps",
-                                                                                   "repetitive_legit")},
+            "false_aborts": {s: {v: summary(r) for v, r in gz[s].items()}
+                             for s in ("steps_200", "all_steps", "repetitive_legit", "repetitive_legit_after")},
             "repetitive_legit_aborted": {v: [r["name"] for r in rs if r["abort_at"] is not None]
                                          for v, rs in gz["repetitive_legit"].items()},
+            "real_steps_aborted": {v: [r["name"] for r in rs if r["abort_at"] is not None]
+                                   for v, rs in gz["all_steps"].items()},
             "detection": {v: dict(by_family(gz["loops"][v] + gz["incoherent"][v]),
                                   loops=summary(gz["loops"][v]),
                                   all=summary(gz["loops"][v] + gz["incoherent"][v])) for v in VARIANTS},
+            "detection_issue29": {v: by_family(gz["new_loops"][v]) for v in VARIANTS},
+            "short_unit_by_length": {v: unit_bins(gz["new_loops"][v]) for v in VARIANTS},
             "cycle_detection_by_period": {v: period_bins(gz["loops"][v]) for v in VARIANTS},
             "count_detection_by_template": {v: template_bins(gz["loops"][v]) for v in VARIANTS},
         },
@@ -408,6 +469,15 @@ def period_bins(results: list[dict]) -> dict:
             for k, (lo, hi) in bins.items()}
 
 
+def unit_bins(results: list[dict]) -> dict:
+    """Short-unit loops caught within the step, by unit length (characters)."""
+    units = [(int(r["name"].rsplit("_", 1)[1]), r["abort_at"] is not None) for r in results
+             if r["family"] == "short_unit"]
+    bins = {"unit<=33": (0, 33), "34<=unit<=66": (34, 66)}
+    return {k: f"{sum(d for u, d in units if lo <= u <= hi)}/{sum(lo <= u <= hi for u, _ in units)}"
+            for k, (lo, hi) in bins.items()}
+
+
 def template_bins(results: list[dict]) -> dict:
     cnt = [r for r in results if r["family"] == "count"]
     return {COUNT_TEMPLATES[t]: f"{sum(r['abort_at'] is not None for r in cnt if r['name'].split('_')[1] == str(t))}/10"
@@ -423,7 +493,8 @@ def print_report(r: dict) -> None:
     g = r["gzip_alone"]
     print("text signals alone (entropy 0): before → scaled → after (full-window-only rule in parentheses)")
     for s, label in (("steps_200", "200 solution steps"), ("all_steps", "all solution steps"),
-                     ("repetitive_legit", "short repetitive legit steps")):
+                     ("repetitive_legit", "short repetitive legit steps"),
+                     ("repetitive_legit_after", "the same after another as history")):
         f = g["false_aborts"][s]
         fw = f" ({f['full_window']['aborted']})" if "full_window" in f else ""
         print(f"  false aborts, {label}: {_cols(f, 'aborted')}{fw}; smallest gzip margin "
@@ -436,6 +507,14 @@ def print_report(r: dict) -> None:
         print(f"  detection {fam:>7}: {_cols(cols, 'aborted')} ({cols['full_window']['aborted']}); median tokens "
               f"{' → '.join(str(cols[v]['median_tokens_to_abort']) for v in ('before', 'scaled', 'after'))}; "
               f"by reason after {cols['after']['by_reason']}")
+    d = g["detection_issue29"]
+    for fam in d["after"]:
+        cols = {v: d[v][fam] for v in VARIANTS}
+        print(f"  detection {fam}: {_cols(cols, 'aborted')}; median tokens "
+              f"{' → '.join(str(cols[v]['median_tokens_to_abort']) for v in ('before', 'scaled', 'after'))}; "
+              f"max {cols['after']['max_tokens_to_abort']}; by reason after {cols['after']['by_reason']}")
+    print(f"  short units by length (scaled → after): {g['short_unit_by_length']['scaled']} → "
+          f"{g['short_unit_by_length']['after']}")
     for v in ("scaled", "after"):
         print(f"  cycles by period ({v}): {g['cycle_detection_by_period'][v]}")
         print(f"  counting by template ({v}): {g['count_detection_by_template'][v]}")

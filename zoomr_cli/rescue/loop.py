@@ -6,8 +6,9 @@ Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", th
 1. fork the base's evicted state N_b times and the helper's full state N_h times;
 2. sample each candidate (T 0.8, top-p 0.95, top-k 20 by default) until ``\\n\\n``, EOS or the
    step-token limit (512); base candidates are aborted online by the degeneration detector
-   (:mod:`zoomr.rescue.degeneration`; "early exit", off with ``early_exit=False``), helper candidates
-   keep the pool non-empty;
+   (:mod:`zoomr.rescue.degeneration`; "early exit", off with ``early_exit=False``), which reads the
+   committed trajectory's tail before each candidate (loops across steps); helper candidates keep the
+   pool non-empty;
 3. score the survivors (a PRM, or the fallback in :mod:`zoomr.rescue.scorers`) and commit the best;
 4. re-base: the winner's fork becomes its model's state (no history token is computed again),
    the other model prefills the committed step (an evicting base evicts back to its budget).
@@ -57,7 +58,7 @@ import numpy as np
 from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler
 
-from zoomr.rescue.degeneration import DegenerationDetector, DetectorConfig
+from zoomr.rescue.degeneration import TAIL_LIMIT, DegenerationDetector, DetectorConfig
 from zoomr.rescue.events import (
     CandidateAborted,
     CandidateFinished,
@@ -276,7 +277,7 @@ class RescueLoop:
         seqs: list = []
         try:
             seqs = [engine.fork() for engine in engines]
-            detectors = [DegenerationDetector(self.config.detector) for _ in members]
+            detectors = [self._detector() for _ in members]
             gens = [GenerationStats() for _ in members]
 
             def on_token(b: int, tok) -> bool:
@@ -325,7 +326,7 @@ class RescueLoop:
         :meth:`zoomr.rescue.transcript.Transcript.trajectory_kv`)."""
         src = engine.role
         self.events.emit(CandidateStarted(step, index, src))
-        detector = DegenerationDetector(self.config.detector)
+        detector = self._detector()
         gen = GenerationStats()
         seq = engine.fork()
         try:
@@ -351,6 +352,14 @@ class RescueLoop:
         self.events.emit(CandidateFinished(step, index, src, gen.stop_reason, gen.generated_tokens, gen.text))
         return Candidate(step, index, src, engine, seq, list(gen.token_ids), gen.text, gen.stop_reason,
                          gen.next_logits)
+
+    def _detector(self) -> DegenerationDetector:
+        """A detector for one candidate of this step, reading the committed trajectory's tail before it (a
+        loop across steps aborts the candidate that continues it). Helper candidates get the same one: their
+        signals are reported alike, but only base candidates are aborted (the paper's helper keeps the pool
+        non-empty; a helper that loops too goes on until ``max_steps`` or the context cap)."""
+        return DegenerationDetector(self.config.detector, history=self.text[-TAIL_LIMIT:],
+                                    step_end=self.config.step_end)
 
     def _commit(self, best: Candidate, survivors: int) -> None:
         """Append ``best`` to the trajectory and re-base both models on it."""
