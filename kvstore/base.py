@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .stats import KVMeter, KVStats
+from .stats import KVMeter, KVStats, storage_bytes
 
 
 def join_parts(parts: list) -> tuple[torch.Tensor, ...]:
@@ -201,11 +201,7 @@ class FullKVCache:
         """Bytes of the K/V buffers this cache reads on the device now: its own (capacity) and the frozen
         parts' storages (shared ones included), all layers."""
         if self._device_bytes is None:   # recounted only after a buffer changed, not every forward
-            seen = {}
-            for _, t in self.storages():
-                st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-            self._device_bytes = sum(seen.values())
+            self._device_bytes = storage_bytes(t for _, t in self.storages())
         return self._device_bytes
 
     def stats(self) -> KVStats:

@@ -115,9 +115,11 @@ class PolicyKVCache:
         """Advance positions, account the active size, let the policy choose the next selection."""
         fwd = ForwardInfo(self.n_tokens, list(token_ids), text, self.n_tokens == 0)
         self.n_tokens = fwd.end
-        self.meter.step(max(self._attended), sum(self._attended) * self._layer_bytes, self.n_tokens, fwd.is_prompt,
-                        device_bytes=self.active.device_bytes(), host_bytes=self.store.allocated_bytes())
         selection = self.policy.end_forward(fwd)
+        # the policy's state is read after its end_forward, which may add to it (ZoomR's mean keys)
+        self.meter.step(max(self._attended), sum(self._attended) * self._layer_bytes, self.n_tokens, fwd.is_prompt,
+                        device_bytes=self.active.device_bytes(), host_bytes=self.store.allocated_bytes(),
+                        state_bytes=self.policy.state_bytes())
         if selection is not None:
             for layer in range(self.ctx.n_layers):
                 self.active.schedule(layer, selection)

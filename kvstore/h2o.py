@@ -16,6 +16,10 @@ import torch
 from .knobs import PolicyConfig, budget_knob, window_knob
 from .policy import KVPolicy, LayerView, grouped, keep_top, received_attention
 
+# positions a layer's score row gains at least when it grows (then an eighth of its length): doubling would
+# leave up to half of the row unused, and the row is device memory the policy is charged for
+SCORE_GROWTH = 256
+
 
 @dataclass(frozen=True)
 class H2OConfig(PolicyConfig):
@@ -48,7 +52,7 @@ class H2OPolicy(KVPolicy):
             raise ValueError(f"h2o: --window must be in [1, --budget {budget}), got {window}")
         self.budget, self.window = budget, window
         self.slack = 1
-        self.score: dict[int, torch.Tensor] = {}   # layer → [Hkv, capacity] accumulated attention by position
+        self.score: dict[int, torch.Tensor] = {}   # layer → [Hkv, capacity] float32 accumulated attention by position
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Accumulate this forward's attention; evict down to B when more is attended."""
@@ -71,12 +75,20 @@ class H2OPolicy(KVPolicy):
     def _grow(self, layer: int, need: int, device: torch.device) -> torch.Tensor:
         acc = self.score.get(layer)
         if acc is None or acc.shape[1] < need:
-            grown = torch.zeros(self.ctx.n_kv_heads, max(need, 2 * (0 if acc is None else acc.shape[1])),
+            held = 0 if acc is None else acc.shape[1]
+            # ≤ 1/8 unused (+ SCORE_GROWTH), at O(8) copies per position amortized
+            grown = torch.zeros(self.ctx.n_kv_heads, max(need, held + max(SCORE_GROWTH, held // 8)),
                                 device=device)
             if acc is not None:
                 grown[:, :acc.shape[1]] = acc
             self.score[layer] = acc = grown
         return acc
+
+    def state_tensors(self):
+        """The accumulated scores: L × [Hkv, capacity] float32, capacity ≥ positions written (at most an
+        eighth, or ``SCORE_GROWTH`` positions, more), i.e. 4·Hkv·L bytes per position: at head size 64 and
+        fp32 K/V, N/(128·B) of the B attended positions' K/V."""
+        return list(self.score.values())
 
     def fork(self, ctx):
         """Copies the accumulated scores (written in place every forward): L × [Hkv, capacity] float32,

@@ -25,6 +25,7 @@ import torch
 from .events import RecomputeEvent
 from .base import join_parts
 from .host_store import HostKVStore
+from .stats import storage_bytes
 
 
 class LayerView:
@@ -156,6 +157,18 @@ class KVPolicy:
         """Policy numbers for ``KVStats.extra`` (JSON-ready)."""
         return {}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors this policy keeps on the compute device between forwards (scores, mean keys, queries);
+        none here (full, streaming, SumR keep positions only)."""
+        return []
+
+    def state_bytes(self) -> int:
+        """Bytes of :meth:`state_tensors`' storages (bytes; one shared with a fork counts in each, as the
+        fork's K/V parts do): what the policy costs beside the attended K/V, reported as
+        ``policy_state_bytes`` and counted in ``device_kv_bytes`` and the saving
+        (:class:`zoomr.kvstore.stats.KVStats`)."""
+        return storage_bytes(self.state_tensors())
+
     def fork(self, ctx: PolicyContext) -> "KVPolicy":
         """This policy's state for a forked cache whose context is ``ctx``; independent from here on.
 
@@ -256,8 +269,8 @@ class QueryWindow:
         if q.shape[1] > self.size:  # a prefill: only its last queries can be in the window
             start += q.shape[1] - self.size
             q = q[:, -self.size:]
-        if q.shape[1] > 1:  # a view into a prefill's [H, T, d] queries would keep all T alive
-            q = q.clone()
+        if q.untyped_storage().nbytes() > q.nbytes:  # a view into a prefill's [H, T, d] queries (or a batch's)
+            q = q.clone()                                # would keep all of them alive, and count as state
         chunks = self._chunks.setdefault(view.layer, [])
         chunks.append((q, start))
         held = self._held.get(view.layer, 0) + q.shape[1]
@@ -277,6 +290,10 @@ class QueryWindow:
         device = q.device
         pos = torch.cat([torch.arange(p, p + c.shape[1], device=device) for c, p in chunks])[-self.size:]
         return q, pos
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The recorded query chunks ([H, t, d] each, all layers): what the window holds on the device."""
+        return [q for chunks in self._chunks.values() for q, _ in chunks]
 
     def copy(self) -> "QueryWindow":
         """An independent window sharing the recorded tensors (never written): O(layers × chunks)."""

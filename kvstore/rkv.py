@@ -97,6 +97,11 @@ class RKVPolicy(KVPolicy):
         score = self.mix * importance - (1 - self.mix) * redundancy(keys)[:, :N - w]
         return keep_top(score, pos[:, :N - w], self.budget - w, pos[:, N - w:])
 
+    def state_tensors(self):
+        """The observation window's queries: per layer up to ``window`` + one forward's [H, t, d], in the
+        model's dtype."""
+        return self.queries.tensors()
+
     def fork(self, ctx):
         """Shares the query window's tensors (replaced, never written): O(L) per fork."""
         other = self._fork_shallow(ctx)

@@ -71,6 +71,11 @@ class SnapKVPolicy(KVPolicy):
         cand = pos[:, :N - self.window]
         return keep_top(pooled, cand, self.budget - self.window, pos[:, N - self.window:])
 
+    def state_tensors(self):
+        """The observation window's queries: per layer up to ``window`` + one forward's [H, t, d], in the
+        model's dtype."""
+        return self.queries.tensors()
+
     def fork(self, ctx):
         """Shares the query window's tensors (replaced, never written): O(L) per fork."""
         other = self._fork_shallow(ctx)

@@ -28,11 +28,17 @@ class KVStats:
             SnapKV and R-KV (KV-Rescue's B' = B + w); None where it is not fixed in advance (full KV,
             SumR, ZoomR: the measured peak over decode steps is reported instead, see ``bound_measured``).
         bound_measured: True when ``bound_tokens`` is a measurement, not the policy's guarantee.
-        device_kv_bytes: peak K/V bytes allocated on the compute device (capacity, not only used slots).
+        device_kv_bytes: peak bytes allocated on the compute device for the sequence's K/V (capacity, not only
+            used slots) plus the policy's state at the same forward (``policy_state_bytes``).
         host_kv_bytes: peak K/V bytes allocated in host memory by an offloading cache (0 for none).
+        policy_state_bytes: peak bytes of the tensors the policy keeps on the compute device beside the K/V
+            (H2O's accumulated scores, ZoomR's mean summary keys, the queries SnapKV, R-KV and ZoomR keep;
+            see :meth:`zoomr.kvstore.policy.KVPolicy.state_bytes`); 0 for a policy that keeps none.
+        mean_policy_state_bytes: ``policy_state_bytes`` time-averaged over the same decode steps (bytes).
         kv_device: the compute device's type (``cpu``, ``cuda``); on ``cpu`` device and host bytes live in
             the same RAM and add up.
-        extra: policy-specific numbers (recomputes, agreeability, ...).
+        extra: policy-specific numbers (recomputes, agreeability; for SumR and ZoomR ``summaries_written``
+            and ``segments_cut_auto``, see :meth:`zoomr.kvstore.segments.SegmentTracker.stats`, ...).
     """
 
     active_tokens: int
@@ -50,6 +56,8 @@ class KVStats:
     device_kv_bytes: int = 0
     host_kv_bytes: int = 0
     kv_device: str = "cpu"
+    policy_state_bytes: int = 0
+    mean_policy_state_bytes: float | None = None
 
     def __post_init__(self):
         # a cache that keeps no history reports its current values as its means and peak
@@ -61,16 +69,23 @@ class KVStats:
             self.mean_full_bytes = float(self.full_bytes)
         if self.peak_active_bytes is None:
             self.peak_active_bytes = self.active_bytes
+        if self.mean_policy_state_bytes is None:
+            self.mean_policy_state_bytes = float(self.policy_state_bytes)
 
     @property
     def saving(self) -> float:
-        """Memory saving (×): mean full KV bytes / mean active bytes over the same decode steps; 1.0 if empty."""
-        return self.mean_full_bytes / self.mean_active_bytes if self.mean_active_bytes else 1.0
+        """Memory saving (×): mean full KV bytes / (mean active bytes + mean policy state bytes) over the same
+        decode steps; 1.0 if empty. The state counts because only the policy puts it on the device: at 16K
+        tokens and B = 64, H2O's fp32 scores weigh twice its attended fp32 K/V (head size 64)."""
+        spent = self.mean_active_bytes + self.mean_policy_state_bytes
+        return self.mean_full_bytes / spent if spent else 1.0
 
     @property
     def saving_peak(self) -> float:
-        """Saving at the peak (×): full KV bytes at the end / the largest active bytes; 1.0 if empty."""
-        return self.full_bytes / self.peak_active_bytes if self.peak_active_bytes else 1.0
+        """Saving at the peak (×): full KV bytes at the end / (the largest active bytes + the largest policy
+        state); the two peaks may fall on different forwards, so this never overstates it. 1.0 if empty."""
+        spent = self.peak_active_bytes + self.policy_state_bytes
+        return self.full_bytes / spent if spent else 1.0
 
     def as_dict(self) -> dict:
         """JSON-ready dict: the fields above plus ``saving`` and ``saving_peak`` (``extra`` merged in)."""
@@ -90,6 +105,8 @@ class KVStats:
             "saving_peak": round(self.saving_peak, 3),
             "device_kv_bytes": self.device_kv_bytes,
             "host_kv_bytes": self.host_kv_bytes,
+            "policy_state_bytes": self.policy_state_bytes,
+            "mean_policy_state_bytes": int(round(self.mean_policy_state_bytes)),
             "kv_device": self.kv_device,
             **self.extra,
         }
@@ -113,19 +130,24 @@ class KVMeter:
         self.sum_active = self.sum_active_bytes = self.sum_full = 0
         self.peak = self.peak_bytes = self.peak_decode = 0
         self.peak_device = self.peak_host = 0
+        self.state = self.peak_state = self.sum_state = 0
 
     def step(self, active_tokens: int, active_bytes: int, full_tokens: int, is_prompt: bool,
-             device_bytes: int = 0, host_bytes: int = 0) -> None:
-        """Account one forward: what was attended (tokens, bytes), positions written after it, allocations."""
+             device_bytes: int = 0, host_bytes: int = 0, state_bytes: int = 0) -> None:
+        """Account one forward: what was attended (tokens, bytes), positions written after it, allocations
+        (K/V bytes on the device and in host memory) and the policy's state on the device after it (bytes)."""
         self.peak = max(self.peak, active_tokens)
         self.peak_bytes = max(self.peak_bytes, active_bytes)
-        self.peak_device = max(self.peak_device, device_bytes)
+        self.peak_device = max(self.peak_device, device_bytes + state_bytes)
         self.peak_host = max(self.peak_host, host_bytes)
+        self.state = state_bytes
+        self.peak_state = max(self.peak_state, state_bytes)
         if not is_prompt:
             self.steps += 1
             self.sum_active += active_tokens
             self.sum_active_bytes += active_bytes
             self.sum_full += full_tokens
+            self.sum_state += state_bytes
             self.peak_decode = max(self.peak_decode, active_tokens)
 
     def stats(self, active_tokens: int, full_tokens: int, active_bytes: int, extra: dict | None = None) -> KVStats:
@@ -140,7 +162,9 @@ class KVMeter:
             mean_active_bytes=self.sum_active_bytes / n if n else float(active_bytes),
             mean_full_bytes=self.sum_full * self.token_bytes / n if n else float(full_tokens * self.token_bytes),
             peak_active_bytes=max(self.peak_bytes, active_bytes), bound_tokens=bound, bound_measured=measured,
-            device_kv_bytes=self.peak_device, host_kv_bytes=self.peak_host, kv_device=self.kv_device)
+            device_kv_bytes=self.peak_device, host_kv_bytes=self.peak_host, kv_device=self.kv_device,
+            policy_state_bytes=self.peak_state,
+            mean_policy_state_bytes=self.sum_state / n if n else float(self.state))
 
     def copy(self) -> "KVMeter":
         """An independent copy (for forks: a fork's history starts as its parent's)."""
@@ -160,11 +184,19 @@ def distinct_kv_bytes(caches) -> dict[str, int]:
     Raises:
         TypeError: a cache without ``storages()``.
     """
-    seen: dict[str, dict[int, int]] = {"host": {}, "device": {}}
+    held: list[tuple[str, object]] = []
     for cache in caches:
         if not hasattr(cache, "storages"):
             raise TypeError(f"{type(cache).__name__} does not list its storages")
-        for where, t in cache.storages():
-            st = t.untyped_storage()
-            seen[where][st.data_ptr()] = st.nbytes()
-    return {where: sum(d.values()) for where, d in seen.items()}
+        held += cache.storages()
+    return {where: storage_bytes(t for w, t in held if w == where) for where in ("host", "device")}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (bytes): a view keeps its whole storage alive, and
+    a storage two tensors share is counted once."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

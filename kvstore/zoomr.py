@@ -117,7 +117,13 @@ class ZoomRPolicy(SegmentedPolicy):
 
     def observe(self, view: LayerView) -> None:
         """Keep the newest token's query of this layer (scored at the next boundary)."""
-        self.queries[view.layer] = view.q[:, -1].float()
+        # a copy: a view would keep the forward's whole [H, T, d] queries (a prefill's) alive as policy state
+        self.queries[view.layer] = view.q[:, -1].to(torch.float32, copy=True)
+
+    def state_tensors(self):
+        """The mean summary keys [L, Hkv, S, d] float32 (S closed segments: 4·L·Hkv·d bytes each) and the
+        newest query of each layer ([H, d] float32)."""
+        return ([] if self.mean_keys is None else [self.mean_keys]) + list(self.queries.values())
 
     def on_closed(self, segments: list[Segment]) -> None:
         """Compute the mean keys of newly closed segments from the host store."""

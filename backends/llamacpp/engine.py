@@ -470,7 +470,7 @@ class LlamaCppBackend:
             seq.meter = KVMeter(self._bytes_per_token, bound, self.kv_device)
         b = self._bytes_per_token
         seq.meter.step(len(seq.tokens), len(seq.tokens) * b, seq.n_written, seq.forwards == 0,
-                       device_bytes=self.kv_cells * b)
+                       device_bytes=self.kv_cells * b, state_bytes=seq.policy.state_bytes())
         seq.forwards += 1
         text = self.tokenizer.decode(ids) if seq.policy.wants_text else ""
         if seq.policy.observe(start, ids, text) or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):

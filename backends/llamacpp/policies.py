@@ -67,6 +67,12 @@ class CellPolicy(Protocol):
         """Policy counters for ``KVStats.extra`` (may be empty)."""
         ...
 
+    def state_bytes(self) -> int:
+        """Bytes the policy keeps on the compute device beside llama.cpp's KV cells (bytes), reported as
+        ``policy_state_bytes`` as on the torch backend (:meth:`zoomr.kvstore.policy.KVPolicy.state_bytes`):
+        0 for every policy here, which keep positions in host lists only."""
+        ...
+
 
 @dataclass(frozen=True)
 class FullPolicy:
@@ -96,6 +102,10 @@ class FullPolicy:
     def stats(self) -> dict:
         """No counters."""
         return {}
+
+    def state_bytes(self) -> int:
+        """No state."""
+        return 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,10 @@ class StreamingPolicy:
     def stats(self) -> dict:
         """No counters beyond the engine's eviction counts."""
         return {}
+
+    def state_bytes(self) -> int:
+        """No state."""
+        return 0
 
 
 STREAMING_BUFFER = 16  # tokens between evictions, see StreamingPolicy

@@ -200,8 +200,8 @@ def test_prm_scorer_reports_the_prms_kv_and_a_rescue_cell_counts_it(prm, tiny_pr
     for rec in (bon, res):
         assert rec["scorer"] == f"prm:{tiny_prm[0]}" and rec["prm_kv_bytes_peak"] > 0
         assert rec["prm_kv_bytes_peak"] % prm.kv_token_bytes == 0
-        assert rec["method_kv_bytes_mean"] == (rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
-                                               + rec["prm_kv_bytes_peak"])
+        assert rec["method_kv_bytes_mean"] == (rec["mean_active_bytes"] + rec["mean_policy_state_bytes"]
+                                               + rec["helper_kv_bytes_mean"] + rec["prm_kv_bytes_peak"])
     assert bon["helper_kv_bytes_mean"] == bon["helper_kv_bytes_peak"] == 0   # no helper candidate, PRM scores
     assert res["helper_kv_bytes_mean"] > 0
     assert rescue_warnings([{"policy": RESCUE, **res}]) == [

@@ -38,7 +38,8 @@ def test_three_problem_bench_writes_everything(tmp_path):
     assert 0 <= rows[("streaming", 16)]["fidelity_top1"] <= 1
     for rec in recs:
         assert rec["tokens_generated"] <= 8 and isinstance(rec["correct"], bool)
-        assert rec["saving"] == pytest.approx(rec["mean_full_bytes"] / rec["mean_active_bytes"], rel=1e-2)
+        assert rec["saving"] == pytest.approx(rec["mean_full_bytes"] / (rec["mean_active_bytes"]
+                                                                        + rec["mean_policy_state_bytes"]), rel=1e-2)
         assert rec["mean_active_tokens"] <= rec["peak_active_tokens"] and rec["n_boxed_distinct"] >= 0
     prov = json.loads((out / "config.json").read_text())["provenance"]
     assert len(prov["model_sha256"]) == 64 and prov["packages"]["torch"]

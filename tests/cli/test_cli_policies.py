@@ -27,8 +27,11 @@ def test_solve_zoomr_records_policy_statistics(tmp_path):
     assert kv["full_tokens"] == rec["prompt_tokens"] + rec["tokens_generated"]
     assert kv["active_tokens"] < kv["full_tokens"] and kv["active_bytes"] < kv["full_bytes"]
     assert kv["mean_active_tokens"] <= kv["peak_active_tokens"] <= kv["full_tokens"]
-    # saving compares time-averaged bytes over the same decode steps; the host copy is reported, not hidden
-    assert kv["saving"] == pytest.approx(kv["mean_full_bytes"] / kv["mean_active_bytes"], rel=1e-2)
+    # saving compares time-averaged bytes over the same decode steps, the policy's own state (mean keys, queries)
+    # included; the host copy is reported, not hidden
+    assert kv["policy_state_bytes"] > 0
+    assert kv["saving"] == pytest.approx(kv["mean_full_bytes"] / (kv["mean_active_bytes"]
+                                                                  + kv["mean_policy_state_bytes"]), rel=1e-2)
     assert kv["host_kv_bytes"] >= kv["full_bytes"] and kv["device_kv_bytes"] >= kv["active_bytes"]
     assert kv["bound_measured"] and kv["bound_tokens"] <= kv["peak_active_tokens"]
     assert kv["saving"] > 1 and kv["recomputes"] >= 1 and kv["segments"] >= 1

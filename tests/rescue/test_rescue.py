@@ -280,7 +280,10 @@ def test_best_of_n_cell_has_no_early_exit_and_both_cells_count_the_helpers_kv(to
         assert rec["prm_kv_bytes_peak"] == 0
         # the likelihood scorer runs on the helper, so even best-of-N holds the helper's KV
         assert 0 < rec["helper_kv_bytes_mean"] <= rec["helper_kv_bytes_peak"]
-        assert rec["method_kv_bytes_mean"] == rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
+        # the base's R-KV keeps its query window on the device: counted with its K/V
+        assert 0 < rec["mean_policy_state_bytes"] <= rec["policy_state_bytes"]
+        assert rec["method_kv_bytes_mean"] == (rec["mean_active_bytes"] + rec["mean_policy_state_bytes"]
+                                               + rec["helper_kv_bytes_mean"])
         assert rec["method_kv_bytes_peak"] >= rec["method_kv_bytes_mean"]
         assert rec["saving"] == round(rec["mean_full_bytes"] / rec["method_kv_bytes_mean"], 3)
         assert rec["saving"] < rec["mean_full_bytes"] / rec["mean_active_bytes"]   # not credited for the helper

@@ -21,7 +21,7 @@ from rich.table import Table
 from zoomr.kvstore.registry import REFERENCE, budgeted, knob_flags, policy_names
 
 from zoomr.evaluation.records import RecordLog, read_config, record_key, write_config
-from zoomr.evaluation.match import TOLERANCE, match_error, predict_budget
+from zoomr.evaluation.match import TOLERANCE, match_error, match_fields, predict_budget
 from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.plots import write_plots
 from zoomr.evaluation.provenance import run_provenance
@@ -47,6 +47,8 @@ def _cell(r: dict, key, fmt: str) -> str:
         return "—"
     if fmt == "mib":
         return f"{value / 2**20:.2f}"
+    if fmt == "kib":
+        return f"{value / 2**10:.1f}"
     if key == "bound_tokens" and r.get("bound_measured"):
         return f"{value}*"
     if isinstance(value, bool):
@@ -77,10 +79,12 @@ MAIN_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("n", "proble
                 ("bound", "bound_tokens", ""), ("×", "saving", ".2f"), ("×pk", "saving_peak", ".2f"),
                 ("no ans", "no_answer_at_cap_rate", ".2f"))
 MATCH_COLUMNS = (("policy", "policy", ""), ("n", "problems", ""), ("target KV", "target_active_tokens", ".1f"),
-                 ("achieved", "mean_active_tokens", ".1f"), ("B chosen", "budget_tokens_mean", ".0f"),
+                 ("achieved", "mean_active_tokens", ".1f"), ("target peak", "target_peak_active_tokens", ""),
+                 ("peak", "peak_active_tokens", ""), ("B chosen", "budget_tokens_mean", ".0f"),
                  ("worst err", "match_error_max", "+.1%"), ("within ±10%", "matched_within", ""))
 MEMORY_COLUMNS = (("policy", "policy", ""), ("B", _budget_cell, ""), ("active MiB", "mean_active_bytes", "mib"),
-                  ("full MiB", "full_bytes", "mib"), ("device MiB", "device_kv_bytes", "mib"),
+                  ("full MiB", "full_bytes", "mib"), ("state KiB", "policy_state_bytes", "kib"),
+                  ("device MiB", "device_kv_bytes", "mib"),
                   ("host MiB", "host_kv_bytes", "mib"), ("on", "kv_device", ""), ("tok/s", "decode_tok_s", ".1f"),
                   ("gen", "mean_generated_tokens", ".0f"))
 RESCUE_COLUMNS = (("B", "budget", ""), ("A full", "acc_full", ".2f"), ("A bon", "acc_best_of_n", ".2f"),
@@ -92,17 +96,20 @@ RESCUE_COLUMNS = (("B", "budget", ""), ("A full", "acc_full", ".2f"), ("A bon", 
 
 def _table(rows: list[dict]) -> Table:
     return _grid("zoomr bench · KV: mean active tokens · bound: policy's (* measured) · ×: saving, mean full / mean "
-                 "active bytes · ×pk: at the peak · no ans: no answer at the -n cap", MAIN_COLUMNS, rows)
+                 "(active + policy state) bytes · ×pk: at the peak · no ans: no answer at the -n cap",
+                 MAIN_COLUMNS, rows)
 
 
 def _match_table(rows: list[dict]) -> Table:
     return _grid(f"matched budgets · each baseline's measured mean active KV vs ZoomR's (within ±{TOLERANCE:.0%} "
-                 "or flagged)", MATCH_COLUMNS, [r for r in rows if r["budget"] == MATCHED])
+                 "or flagged) · peaks: most positions in one forward (ZoomR's set grows, a budget's does not)",
+                 MATCH_COLUMNS, [r for r in rows if r["budget"] == MATCHED])
 
 
 def _memory_table(rows: list[dict]) -> Table:
-    return _grid("KV memory and speed · active: time-averaged, full: final K/V bytes · device/host: peak allocated "
-                 "(on cpu the same RAM: they add up) · gen: generated tokens", MEMORY_COLUMNS, rows)
+    return _grid("KV memory and speed · active: time-averaged, full: final K/V bytes · state: the policy's own "
+                 "tensors on the device (scores, mean keys, queries), at the peak · device/host: peak allocated, "
+                 "state included (on cpu the same RAM: they add up) · gen: generated tokens", MEMORY_COLUMNS, rows)
 
 
 def _rescue_table(rows: list[dict]) -> Table:
@@ -259,10 +266,13 @@ def bench(
                 reference = None if ref_job is None else ref_job.reference
                 for policy, b in later.get(problem.id, []):
                     progress.update(task, description=f"{problem.id} · {policy} B={b}")
-                    if policy in (RESCUE, BEST_OF_N):
-                        budget_tokens = _zoomr_record(log, problem.id)["mean_active_tokens"] if b == MATCHED else b
-                        budget_tokens = max(2, round(budget_tokens))
-                        rec = rescue_cells.run(policy, budget_tokens, problem, ids, opts.n_predict)
+                    if policy in (RESCUE, BEST_OF_N) and b == MATCHED:
+                        rec = rescue_cells.run_matched(policy, problem, ids, opts.n_predict,
+                                                       _zoomr_record(log, problem.id))
+                        budget_tokens = rec.pop("budget_tokens")
+                    elif policy in (RESCUE, BEST_OF_N):
+                        budget_tokens = b
+                        rec = rescue_cells.run(policy, b, problem, ids, opts.n_predict)
                     else:
                         rec = run_matched(base, opts, policy, problem, ids, sampling, reference,
                                           _zoomr_record(log, problem.id))
@@ -338,32 +348,37 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
         reference: full KV's run for fidelity (None: no fidelity), measured on the run kept.
         zoomr: ZoomR's record of the same problem (``mean_active_tokens``, ``tokens_generated``).
     Returns:
-        the record fields of the run closest to the target (at most two runs), plus ``budget_tokens`` (B),
-        ``target_active_tokens``, ``simulated_active_tokens``, ``match_error`` (achieved / target − 1),
-        ``matched_within`` (|error| ≤ 10 %) and ``match_runs``.
+        the record fields of the last run (at most two; the second, when it runs, is kept whatever its
+        error: choosing the closer would select on output length), plus
+        :func:`zoomr.evaluation.match.match_fields`' (``budget_tokens`` = B, ``match_runs``, ``match_kept``).
     """
     target, n = float(zoomr["mean_active_tokens"]), int(zoomr["tokens_generated"])
     spec = policy_spec(replace(opts, policy=policy))
-    runs = []
     budget, simulated = predict_budget(spec, target, len(ids), n)
+    runs = 0
     while True:
         view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=budget))
         rec = run_cell(view, problem, ids, sampling, opts.n_predict, ignore_eos=opts.ignore_eos)
-        err = match_error(rec["mean_active_tokens"], target)
-        runs.append((abs(err), budget, simulated, err, rec, view))
-        if abs(err) <= TOLERANCE or rec["tokens_generated"] == n or len(runs) == 2:
+        runs += 1
+        if runs == 2:
+            kept = f"second try, B predicted at the first's length ({n} tokens): the last is kept, never the closer"
+            break
+        if abs(match_error(rec["mean_active_tokens"], target)) <= TOLERANCE:
+            kept = f"first try, within ±{TOLERANCE:.0%}"
+            break
+        if rec["tokens_generated"] == n:
+            kept = "first try, zoomr's length: a second try would get the same B"
             break
         # the baseline wrote a different length than ZoomR: predict again at its own length
         n = rec["tokens_generated"]
-        again, simulated = predict_budget(spec, target, len(ids), n)
+        again, simulated_again = predict_budget(spec, target, len(ids), n)
         if again == budget:
+            kept = f"first try: B predicted at its own length ({n} tokens) is the same"
             break
-        budget = again
-    _, budget, simulated, err, rec, view = min(runs, key=lambda r: r[0])
+        budget, simulated = again, simulated_again
     if reference is not None:
         rec.update(teacher_forced_fidelity(view, ids, reference))
-    rec.update(budget_tokens=budget, target_active_tokens=round(target, 2), simulated_active_tokens=round(simulated, 2),
-               match_error=round(err, 4), matched_within=abs(err) <= TOLERANCE, match_runs=len(runs))
+    rec.update(match_fields(zoomr, budget, simulated, rec["mean_active_tokens"], runs, kept))
     return rec
 
 

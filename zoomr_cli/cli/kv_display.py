@@ -51,7 +51,8 @@ def policy_line(kv: KVStats) -> str | None:
         parts.append(f"AG {x['ag_mean']:.3f} ± {x['ag_std']:.3f}")
     parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
                  f"of {kv.full_tokens} ({mib(kv.active_bytes)} / {mib(kv.full_bytes)}) · saving {kv.saving:.2f}× "
-                 f"(mean full / mean active bytes; {kv.saving_peak:.2f}× at the peak)")
+                 f"(mean full / (mean active + policy state) bytes, state ≤ {mib(kv.policy_state_bytes)}; "
+                 f"{kv.saving_peak:.2f}× at the peak)")
     if x.get("saving_formula") is not None:
         f = x["formula_inputs"]
         parts.append(f"§3.5 formula {x['saving_formula']:.2f}× (N_p {f['n_prompt']}, N_g {f['n_generated']}, "

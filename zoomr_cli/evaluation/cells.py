@@ -34,7 +34,7 @@ class Reference:
 # the KVStats fields every record carries (see backends.base.KVStats); rescue records carry the base's
 KV_FIELDS = ("mean_active_tokens", "peak_active_tokens", "bound_tokens", "bound_measured", "mean_active_bytes",
              "peak_active_bytes", "full_tokens", "full_bytes", "mean_full_bytes", "saving", "saving_peak",
-             "device_kv_bytes", "host_kv_bytes", "kv_device")
+             "device_kv_bytes", "host_kv_bytes", "policy_state_bytes", "mean_policy_state_bytes", "kv_device")
 
 
 def problem_prompt(tokenizer, problem: Problem, n_ctx: int) -> list[int]:

@@ -72,6 +72,11 @@ def _ratio(num, den):
     return _sig(sum(num) / sum(den)) if num and den and sum(den) else None
 
 
+def _plus(a, b):
+    # per record: bytes + policy state bytes (records written before the state was counted carry none)
+    return [None if x is None else x + (y or 0) for x, y in zip(a, b)]
+
+
 def _max(vals):
     vals = [v for v in vals if v is not None]
     return max(vals) if vals else None
@@ -85,12 +90,14 @@ def summarize(records: list[dict]) -> list[dict]:
         mean_active_tokens (mean over problems of each run's time-averaged active KV), peak_active_tokens and
         bound_tokens (max over problems; ``bound_measured`` when any bound is a measured peak),
         mean_active_bytes, mean_full_bytes, full_bytes (means over problems; full_bytes at each run's end);
-        saving = Σ mean full bytes / Σ mean active bytes over the row's runs (time-averaged, the same steps),
-        saving_peak = Σ full bytes / Σ peak active bytes;
-        device_kv_bytes, host_kv_bytes (peak over problems of what was allocated), kv_device;
+        saving = Σ mean full bytes / Σ (mean active + mean policy state bytes) over the row's runs
+        (time-averaged, the same steps), saving_peak = Σ full bytes / Σ (peak active + policy state bytes);
+        policy_state_bytes (max over problems), mean_policy_state_bytes (mean over problems);
+        device_kv_bytes (policy state included), host_kv_bytes (peak over problems of what was allocated), kv_device;
         decode_tok_s, mean_generated_tokens, no_answer_at_cap_rate (hit the length cap without an answer),
         multi_boxed_rate (answers with more than one distinct ``\\boxed{}`` value);
         matched budgets only: budget_tokens_mean (the budgets chosen), target_active_tokens (ZoomR's mean),
+        target_peak_active_tokens (ZoomR's peak, max over problems),
         match_error_max (largest |achieved/target − 1|), matched_within (all rows within the tolerance);
         rescue / best-of-N cells only: helper_share, base_tokens, method_kv_bytes_mean (None elsewhere).
     """
@@ -115,8 +122,10 @@ def summarize(records: list[dict]) -> list[dict]:
             "mean_active_bytes": _mean(get("mean_active_bytes")),
             "mean_full_bytes": _mean(get("mean_full_bytes")),
             "full_bytes": _mean(get("full_bytes")),
-            "saving": _ratio(get("mean_full_bytes"), get("mean_active_bytes")),
-            "saving_peak": _ratio(get("full_bytes"), get("peak_active_bytes")),
+            "saving": _ratio(get("mean_full_bytes"), _plus(get("mean_active_bytes"), get("mean_policy_state_bytes"))),
+            "saving_peak": _ratio(get("full_bytes"), _plus(get("peak_active_bytes"), get("policy_state_bytes"))),
+            "policy_state_bytes": _max(get("policy_state_bytes")),
+            "mean_policy_state_bytes": _mean(get("mean_policy_state_bytes")),
             "device_kv_bytes": _max(get("device_kv_bytes")),
             "host_kv_bytes": _max(get("host_kv_bytes")),
             "kv_device": next((v for v in get("kv_device") if v), None),
@@ -126,6 +135,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "multi_boxed_rate": _mean([None if v is None else float(v > 1) for v in get("n_boxed_distinct")]),
             "budget_tokens_mean": _mean(get("budget_tokens")) if budget == "matched" else None,
             "target_active_tokens": _mean(get("target_active_tokens")),
+            "target_peak_active_tokens": _max(get("target_peak_active_tokens")),
             "match_error_max": max(errors, key=abs) if errors else None,
             "matched_within": all(bool(v) for v in get("matched_within")) if errors else None,
             "helper_share": _mean(get("helper_share")),

@@ -34,7 +34,8 @@ _KINDS = {
 _OPTIONAL_NUMBERS = ("fidelity_top1", "fidelity_kl", "peak_active_tokens", "bound_tokens", "mean_active_bytes",
                      "full_bytes", "mean_full_bytes", "peak_active_bytes", "device_kv_bytes", "host_kv_bytes",
                      "decode_tok_s", "n_boxed_distinct", "budget_tokens", "target_active_tokens", "match_error",
-                     "helper_share", "base_tokens", "method_kv_bytes_mean", "saving", "saving_peak")
+                     "helper_share", "base_tokens", "method_kv_bytes_mean", "saving", "saving_peak",
+                     "policy_state_bytes", "mean_policy_state_bytes", "target_peak_active_tokens")
 
 
 def _kind(v) -> str:

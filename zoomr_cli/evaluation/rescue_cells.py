@@ -16,6 +16,11 @@ sampling): recovered fraction (A_rescue − A_best-of-n) / (A_full − A_best-of
 committed steps, and base-model tokens sampled by rescue relative to best-of-N (the paper: 87 %
 recovered and 43 % fewer base tokens at B = 64 with 7B/1.5B models).
 
+With ``--match-budget`` the base's B is chosen per problem as for every matched baseline: predicted from
+ZoomR's measured mean active KV and lengths through the base policy itself
+(:func:`zoomr.evaluation.match.predict_budget`, which counts R-KV's buffer of 128 that ZoomR's mean taken
+as B would not: about 64 positions more); one try, no selection (:meth:`RescueCells.run_matched`).
+
 A run's trajectory is capped at the bench's ``-n`` new tokens (prompt + n ≤ ``-c``), so the rescue
 cells are comparable with the single-sample cells' length cap; ``no_answer_at_cap`` = stopped by that
 cap, the step limit, or an all-aborted step, without an answer.
@@ -36,9 +41,12 @@ those of the trajectory, independent of N and of how candidates are scheduled.
   follows the trajectory, a cost of this implementation, not of the baseline).
 - ``prm_kv_bytes_peak``: the PRM's KV while scoring, at its largest (0 when no separate PRM runs: the
   likelihood fallback scores with the helper's KV, already counted).
-- ``method_kv_bytes_mean`` = base mean + helper mean + PRM peak (the PRM keeps its conversation's KV
-  between steps, so its peak stands in for its mean: never an under-count); ``method_kv_bytes_peak`` =
-  base peak + helper peak + PRM peak (peaks of different moments: an upper bound).
+- ``policy_state_bytes`` / ``mean_policy_state_bytes``: the base policy's state on the device (R-KV's
+  query window, H2O's scores), at its largest / time-averaged over the base's forwards.
+- ``method_kv_bytes_mean`` = base mean + base policy state mean + helper mean + PRM peak (the PRM keeps
+  its conversation's KV between steps, so its peak stands in for its mean: never an under-count);
+  ``method_kv_bytes_peak`` = base peak + base state peak + helper peak + PRM peak (peaks of different
+  moments: an upper bound).
 - ``saving`` = base mean full bytes / ``method_kv_bytes_mean`` and ``saving_peak`` = base full bytes /
   ``method_kv_bytes_peak``: what the method saves against the base with full KV, so rescue is not
   credited for memory its helper and PRM hold (the base alone saves mean_full / mean_active bytes).
@@ -51,10 +59,11 @@ from pathlib import Path
 
 from zoomr.backends.sampling import Sampler
 
+from zoomr.evaluation.match import match_fields, predict_budget
 from zoomr.evaluation.metrics import recovered_fraction
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem
-from zoomr.factory import with_policy
+from zoomr.factory import policy_spec, with_policy
 from zoomr.grading import grade
 from zoomr.options import RunOptions
 from zoomr.rescue.loop import RescueConfig
@@ -126,9 +135,9 @@ class RescueCells:
         Returns:
             record fields shared with the single-sample cells (answer, correct, tokens_generated,
             stop_reason, no_answer_at_cap, the base's mean_active_tokens, peak_active_tokens,
-            mean_active_bytes, mean_full_bytes, full_tokens, full_bytes, saving and saving_peak of the
-            method, decode_tok_s = candidate tokens of both models per second, active_trace) plus the
-            method's memory (helper_kv_bytes_mean, helper_kv_bytes_peak, prm_kv_bytes_peak,
+            mean_active_bytes, mean_full_bytes, full_tokens, full_bytes, policy_state_bytes,
+            mean_policy_state_bytes, saving and saving_peak of the method, decode_tok_s = candidate
+            tokens of both models per second, active_trace) plus the method's memory (helper_kv_bytes_mean, helper_kv_bytes_peak, prm_kv_bytes_peak,
             method_kv_bytes_mean, method_kv_bytes_peak; see the module docstring), scorer (its
             :meth:`zoomr.rescue.scorers.Scorer.label`), helper_is_base, early_exit, steps, helper_share,
             base_tokens, helper_tokens, candidates, aborted, text, wall_s.
@@ -167,6 +176,31 @@ class RescueCells:
             "wall_s": s["seconds"],
         }
 
+    def run_matched(self, policy: str, problem: Problem, base_ids: list[int], n_predict: int, zoomr: dict) -> dict:
+        """One matched cell: the base's B predicted for ZoomR's measured mean active KV at ZoomR's prompt and
+        generated lengths (through the base policy, as every matched baseline), then one run at it.
+
+        One try: the cell samples (T 0.8), so another try is another sample, and keeping the closer of two
+        would select on output length, the very thing early exit changes; a miss stays in the record
+        (``match_error``, ``matched_within``) and the table flags it.
+
+        Args:
+            zoomr: ZoomR's record of the problem (``mean_active_tokens``, ``peak_active_tokens``,
+                ``tokens_generated``); other args as :meth:`run`.
+        Returns:
+            :meth:`run`'s fields plus :func:`zoomr.evaluation.match.match_fields`' (``budget_tokens`` = B).
+        Raises:
+            ValueError: no budget is valid with the base policy's knobs (see ``predict_budget``).
+            KeyboardInterrupt: as :meth:`run`.
+        """
+        spec = policy_spec(replace(self.opts, policy=self.plan.base_opts.policy))
+        budget, simulated = predict_budget(spec, float(zoomr["mean_active_tokens"]), len(base_ids),
+                                           int(zoomr["tokens_generated"]))
+        rec = self.run(policy, budget, problem, base_ids, n_predict)
+        kept = "single try at the B predicted for zoomr's lengths (a sampled cell: no selection between tries)"
+        rec.update(match_fields(zoomr, budget, simulated, rec["mean_active_tokens"], 1, kept))
+        return rec
+
     def memory(self, transcript: Transcript, uses_helper: bool) -> dict:
         """The base's KV figures and the method's totals of one run (bytes; see the module docstring)."""
         base, helper = transcript.trajectory_kv("base"), transcript.trajectory_kv("helper")
@@ -177,8 +211,9 @@ class RescueCells:
             helper_mean = helper["mean_active_bytes"]
             helper_peak = helper["peak_active_tokens"] * _token_bytes(transcript.kv["helper"])
         prm = self.scorer.kv_peak_bytes
-        method_mean = base["mean_active_bytes"] + helper_mean + prm
-        method_peak = base_peak + helper_peak + prm
+        state_mean, state_peak = end["mean_policy_state_bytes"], end["policy_state_bytes"]
+        method_mean = base["mean_active_bytes"] + state_mean + helper_mean + prm
+        method_peak = base_peak + state_peak + helper_peak + prm
         return {
             "mean_active_tokens": base["mean_active_tokens"],
             "peak_active_tokens": base["peak_active_tokens"],
@@ -186,6 +221,8 @@ class RescueCells:
             "mean_full_bytes": base["mean_full_bytes"],
             "full_tokens": end["full_tokens"],
             "full_bytes": end["full_bytes"],
+            "policy_state_bytes": state_peak,
+            "mean_policy_state_bytes": state_mean,
             "helper_kv_bytes_mean": helper_mean,
             "helper_kv_bytes_peak": helper_peak,
             "prm_kv_bytes_peak": prm,
