@@ -12,7 +12,11 @@ attended. The segment still being written (and, in ``model`` mode, the regular
 segment whose summary is being written) is kept whole beside the window, as the paper's I_w covers it
 (§3.3: the recent window holds the tokens being reasoned over): a 250-token paragraph and its summary
 must not lose their start to a 128-token window. In ``auto``/``prompted`` mode that part is at most
-``segment_tokens`` long; in ``model`` mode it lasts until the model writes a summary.
+``segment_tokens`` long until the model writes a delimiter; while a summary is awaited it is at most
+``SUMMARY_WAIT`` × ``segment_tokens`` (384 at 96), after which blocks are cut as in ``auto``
+(:class:`zoomr.kvstore.segments.SegmentTracker`). So the active positions stay below
+prompt + window + 2 × that bound + the regular parts of the zoomed segments + the summaries kept
+(``tests/kv/test_summary_bound.py`` checks it on arbitrary streams).
 Subclasses decide which segments are zoomed and which are summarized (:meth:`choose`).
 """
 
@@ -42,7 +46,8 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         summaries: ``model``, ``prompted`` or ``auto`` (see :mod:`zoomr.kvstore.segments`).
         segment_tokens: the longest block in ``auto``/``prompted`` mode, and the most tokens between two
             recomputes in every mode (tokens, ≥ 1); blocks close at a
-            paragraph end from a third of it (:func:`zoomr.kvstore.segments.default_min_segment`).
+            paragraph end from a third of it (:func:`zoomr.kvstore.segments.default_min_segment`); a
+            summary the model writes must close within ``SUMMARY_WAIT`` × it, else blocks are cut.
     Raises:
         ValueError: window < 1, segment_tokens < 1 or an unknown summaries mode.
     """
@@ -110,5 +115,5 @@ class SegmentedPolicy(KVPolicy, abc.ABC):
         return None
 
     def stats(self) -> dict:
-        return {"recomputes": self.recomputes, "segments": len(self.tracker.segments),
-                "summaries_mode": self.tracker.mode_ran(), "summaries_option": self.tracker.mode}
+        """Recomputes and the tracker's counts (:meth:`zoomr.kvstore.segments.SegmentTracker.stats`)."""
+        return {"recomputes": self.recomputes, **self.tracker.stats()}

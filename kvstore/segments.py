@@ -25,6 +25,12 @@ Modes (``--summaries``):
                   Delimited summaries in ``auto``/``prompted`` are plain text split over many tokens, so
                   their mean key averages the summary's content tokens only (``Segment.content``): the
                   ~10 tokens of each delimiter would otherwise dominate a one-sentence summary's mean.
+Bound: while the tracker waits for a delimited summary (``model`` mode, or ``auto``/``prompted`` after a
+delimiter), the segment being written may grow to ``SUMMARY_WAIT`` × ``max_segment`` tokens (384 at 96). A
+model that writes no summary, or opens ``<|begin_of_summary|>`` and never closes it, would otherwise keep
+every position active for the rest of the run. When no summary has closed within that many tokens, the
+segment being written is cut into blocks exactly as ``auto`` would have cut it, blocks are cut from then on
+until the model writes a begin delimiter again, and one note says so on stderr (:func:`note`).
 Delimiters are found on the detokenized stream, so they may span several tokens. Segment edges fall on
 push edges (a forward of several tokens is never split), so a multi-token push may overshoot the bounds.
 """
@@ -32,6 +38,7 @@ push edges (a forward of several tokens is never split), so a multi-token push m
 from __future__ import annotations
 
 import bisect
+import sys
 from dataclasses import dataclass
 
 BEGIN = "<|begin_of_summary|>"
@@ -41,10 +48,25 @@ BOUNDARY_SUFFIXES = (".", "!", "?", "...", ":", "\n\n", "\n\n\n")
 SENTENCE_ENDS = (".", "!", "?", ":")
 # edge kinds, strongest first wins when a block is cut (see :func:`edge_strength`)
 PARAGRAPH_EDGE, SENTENCE_EDGE, LINE_EDGE, NO_EDGE = 3, 2, 1, 0
+# a delimited summary must close within this many times the longest block (tokens), else blocks are cut
+SUMMARY_WAIT = 4
 SUMMARY_INSTRUCTION = (
     f"Reason in short paragraphs. After each paragraph, write a one-sentence summary of it between "
     f"{BEGIN} and {END}, then continue."
 )
+
+
+def note(message: str) -> None:
+    """One ``zoomr: note: ...`` line on stderr, as :func:`zoomr.backends.models.model_warning` prints its
+    warnings: printed, not logged, so the CLI's stderr carries it without a logging setup."""
+    print(f"zoomr: note: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Noted:
+    """Whether a tracker and its forks have printed the fallback note (one object shared by all of them)."""
+
+    said: bool = False
 
 
 def ends_at_boundary(text: str) -> bool:
@@ -215,14 +237,15 @@ class SegmentTracker:
 
     Args:
         mode: ``model``, ``prompted`` or ``auto`` (see the module docstring).
-        max_segment: most tokens of a block before it is cut (auto/prompted; tokens, ≥ 1).
+        max_segment: most tokens of a block before it is cut (tokens, ≥ 1); a delimited summary must close
+            within :attr:`summary_bound` = ``SUMMARY_WAIT`` × max_segment tokens, else blocks are cut.
         min_segment: fewest tokens of a block that a boundary closes (tokens, 1..max_segment; default
             :func:`default_min_segment`).
     Raises:
         ValueError: unknown mode, max_segment < 1 or min_segment outside 1..max_segment.
 
     Use: call :meth:`push` for every forward after the prompt, in position order; read
-    :attr:`segments`, :attr:`open_start` and :meth:`mode_ran`.
+    :attr:`segments`, :attr:`open_start`, :meth:`mode_ran` and :meth:`stats`.
     """
 
     def __init__(self, mode: str = "auto", max_segment: int = 96, min_segment: int | None = None):
@@ -235,17 +258,21 @@ class SegmentTracker:
             raise ValueError(f"min_segment must be between 1 and max_segment {max_segment} tokens, got {min_segment}")
         self.mode = mode
         self.max_segment, self.min_segment = max_segment, min_segment
+        self.summary_bound = SUMMARY_WAIT * max_segment
         self.segments: list[Segment] = []
         self._open: _Open | None = None
         self._regular: list[_Chunk] | None = None   # R_i while its summary is being written
-        self._model_seen = False
+        self._blocks = mode != "model"   # cutting blocks until the model writes a begin delimiter
+        self._noted = _Noted()
 
     def copy(self) -> "SegmentTracker":
         """An independent tracker sharing the closed segments (frozen): O(segments + chunks of the open
         segment) pointers, no text copied (strings are immutable)."""
         other = SegmentTracker.__new__(SegmentTracker)
-        other.mode, other._model_seen = self.mode, self._model_seen
+        other.mode, other._blocks = self.mode, self._blocks
         other.max_segment, other.min_segment = self.max_segment, self.min_segment
+        other.summary_bound = self.summary_bound
+        other._noted = self._noted   # shared: a fork of a run that printed the note does not print it again
         other.segments = list(self.segments)
         other._open = None if self._open is None else self._open.copy()
         other._regular = None if self._regular is None else list(self._regular)
@@ -264,21 +291,37 @@ class SegmentTracker:
         return self._regular is not None
 
     def bounds_note(self) -> str:
-        """``, segments ≤ 96 tok`` for a policy's description where blocks are cut ("" in ``model`` mode)."""
-        return "" if self.mode == "model" else f", segments ≤ {self.max_segment} tok"
+        """For a policy's description: ``, segments ≤ 96 tok`` where blocks are cut, ``, a summary within
+        384 tok`` in ``model`` mode."""
+        if self.mode == "model":
+            return f", a summary within {self.summary_bound} tok"
+        return f", segments ≤ {self.max_segment} tok"
 
     def mode_ran(self) -> str:
-        """Which segmentation produced the closed segments: ``model``, ``paragraphs``,
-        ``paragraphs, then model`` or ``none`` (no segment closed yet)."""
+        """Which segmentation produced the closed segments: ``model``, ``paragraphs``, ``paragraphs, then
+        model``, ``model, then paragraphs`` (the first segment's kind first) or ``none`` (none closed yet)."""
         kinds = {s.kind for s in self.segments}
         if not kinds:
             return "none"
-        if kinds == {"paragraph", "model"}:
-            return "paragraphs, then model"
+        if len(kinds) == 2:
+            return "paragraphs, then model" if self.segments[0].kind == "paragraph" else "model, then paragraphs"
         return "model" if "model" in kinds else "paragraphs"
+
+    def stats(self) -> dict:
+        """The run's segment counts for a policy's stats (SumR and ZoomR on both backends): ``segments``
+        closed, ``summaries_written`` (delimited summaries the model wrote), ``segments_cut_auto`` (blocks
+        cut as in ``auto``: all segments of a model that writes none), ``summaries_mode`` (:meth:`mode_ran`)
+        and ``summaries_option`` (the mode asked for)."""
+        written = sum(s.kind == "model" for s in self.segments)
+        return {"segments": len(self.segments), "summaries_written": written,
+                "segments_cut_auto": len(self.segments) - written, "summaries_mode": self.mode_ran(),
+                "summaries_option": self.mode}
 
     def push(self, start: int, text: str, n: int = 1) -> list[Segment]:
         """Record that positions ``[start, start + n)`` produced ``text``; return the segments it closed.
+
+        While a summary is awaited, the segment being written stays below :attr:`summary_bound` tokens
+        (plus the overshoot of a multi-token push): reaching it cuts blocks instead (:meth:`_cut_as_auto`).
 
         Raises:
             ValueError: ``start`` is not the position right after the previous push, or n < 1.
@@ -291,9 +334,12 @@ class SegmentTracker:
             raise ValueError(f"positions must be pushed in order: expected {self._open.end()}, got {start}")
         since = len(self._open.text)
         self._open.add(_Chunk(start, n, text))
-        if self.mode == "model" or self._model_seen or self._open.find(BEGIN, since) >= 0:
-            return self._delimited(since)
-        return self._paragraph(self._open.text[max(0, since - 1):])
+        if self._blocks and self._open.find(BEGIN, since) < 0:
+            return self._paragraph(self._open.text[max(0, since - 1):])
+        closed = self._delimited(since)
+        if self._open.end() - self.open_start >= self.summary_bound:
+            closed += self._cut_as_auto()
+        return closed
 
     def _close(self, regular: list[_Chunk], summary: tuple[int, ...] | None, kind: str,
                content: tuple[int, ...] | None = None) -> Segment:
@@ -313,7 +359,7 @@ class SegmentTracker:
                 at = op.find(BEGIN, since)
                 if at < 0:
                     return closed
-                self._model_seen = True
+                self._blocks = False
                 self._regular, self._open = op.split(op.chunk_at(at))
                 since = 0
                 continue
@@ -325,6 +371,24 @@ class SegmentTracker:
             content = None if self.mode == "model" else _content_positions(summary)
             closed.append(self._close(self._regular, positions, "model", content))
             self._regular, since = None, 0
+
+    def _cut_as_auto(self) -> list[Segment]:
+        """No summary closed within :attr:`summary_bound` tokens: cut the segment being written (its unclosed
+        summary included) into the blocks ``auto`` would have cut, push by push, and cut blocks until the
+        next begin delimiter. Says so once per tracker and its forks (:func:`note`)."""
+        pending = (self._regular or []) + self._open.chunks
+        self._regular, self._blocks = None, True
+        self._open = _Open(pending[0].first)
+        closed = []
+        for chunk in pending:
+            since = len(self._open.text)
+            self._open.add(chunk)
+            closed += self._paragraph(self._open.text[max(0, since - 1):])
+        if not self._noted.said:
+            self._noted.said = True
+            note(f"the model wrote no summary in {self.summary_bound} tokens; segments are cut as in "
+                 f"--summaries auto")
+        return closed
 
     def _paragraph(self, recent: str) -> list[Segment]:
         # ``recent`` starts one character before this push, so a "\n\n" split over two tokens is seen

@@ -8,7 +8,8 @@ summaries, or paragraph segments with an extractive stand-in when the model writ
 Differences from the torch backend's SumR (``zoomr.kvstore.sumr``), all forced by llama.cpp keeping no
 copy of an evicted cell:
 - The segment still being written is never evicted (its summary is not known yet), so it stays
-  attended; the torch policy hides its older part until it closes.
+  attended; the torch policy hides its older part until it closes. Either way it is bounded: a summary
+  must close within 4 × ``segment_tokens`` tokens, else the tracker cuts blocks as in ``auto``.
 - A selection only shrinks: a closed segment's regular tokens go at the first boundary after it
   closes and never return, which is exactly SumR (it never zooms in) and why ZoomR itself is not
   offered here.
@@ -106,7 +107,7 @@ class SumRCells:
     def fork(self) -> "SumRCells":
         """An independent copy (tracker included) reporting to the same event bus."""
         child = copy.copy(self)
-        child.tracker = copy.deepcopy(self.tracker)
+        child.tracker = self.tracker.copy()
         child.clock = self.clock.copy()
         return child
 
@@ -115,6 +116,10 @@ class SumRCells:
         return f"sumr(window={self.window}, summaries={self.tracker.mode}{self.tracker.bounds_note()})"
 
     def stats(self) -> dict:
-        """Recomputes, closed segments, which segmentation ran and which was asked for."""
-        return {"recomputes": self.recomputes, "segments": len(self.tracker.segments),
-                "summaries_mode": self.tracker.mode_ran(), "summaries_option": self.tracker.mode}
+        """Recomputes and the tracker's counts: segments, summaries written, blocks cut as in ``auto``,
+        which segmentation ran and which was asked for (:meth:`zoomr.kvstore.segments.SegmentTracker.stats`)."""
+        return {"recomputes": self.recomputes, **self.tracker.stats()}
+
+    def state_bytes(self) -> int:
+        """Nothing on the device: segments are host lists of positions (see ``CellPolicy.state_bytes``)."""
+        return 0

@@ -14,8 +14,9 @@ L, H, HKV, D = 2, 4, 2, 8
 G = H // HKV
 
 
-def drive(policy, texts: list[str], n_prompt: int, seed: int = 0, shape=(L, H, HKV, D)):
-    """Prefill ``n_prompt`` random tokens, then one forward per text in ``texts``.
+def drive(policy, texts: list[str], n_prompt: int, seed: int = 0, shape=(L, H, HKV, D), events=None):
+    """Prefill ``n_prompt`` random tokens, then one forward per text in ``texts``; the policy's recompute
+    events go to ``events`` (an :class:`zoomr.kvstore.events.EventBus`, or None).
 
     Returns:
         (cache, attended, q, k): attended[f][layer][kv_head] = positions attended by forward f;
@@ -27,7 +28,7 @@ def drive(policy, texts: list[str], n_prompt: int, seed: int = 0, shape=(L, H, H
     q = torch.randn(nl, nh, n, d, generator=g)
     k = torch.randn(nl, nkv, n, d, generator=g)
     v = torch.randn(nl, nkv, n, d, generator=g)
-    cache = PolicyKVCache(policy, nl, nh, nkv, d, torch.device("cpu"), torch.float32)
+    cache = PolicyKVCache(policy, nl, nh, nkv, d, torch.device("cpu"), torch.float32, events=events)
     attended = []
     for s, T, text in forwards(n_prompt, texts):
         for layer in range(nl):
