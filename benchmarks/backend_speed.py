@@ -18,8 +18,11 @@ compiled row compiles). ``--json PATH`` writes the rows:
 ``--kv-dtype`` sets the torch rows' KV cache dtype (default auto: fp32 on a CPU), e.g. to compare fp32 and
 bf16 attention at a long ``--prompt-tokens``.
 
+``--requantize FTYPE`` runs the model re-quantized by llama.cpp (``Q4_K_M``, ``Q5_K_M``, ``Q6_K`` ...; a temporary
+file), both engines on it: the K-quant path's speed without a download.
+
     python benchmarks/backend_speed.py [-m MODEL.gguf] [--prompt-tokens 512] [--decode-tokens 128] [-t 2]
-        [--rounds 3] [--block 16] [--rows int4,fp16w] [--json out.json]
+        [--rounds 3] [--block 16] [--rows int4,fp16w] [--requantize Q4_K_M] [--json out.json]
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS), help=f"torch rows to run, of {', '.join(ROWS)}")
     ap.add_argument("--kv-dtype", default="auto", help="KV cache / attention dtype of the torch rows (auto: fp32 on a "
                     "CPU, the compute dtype on CUDA)")
+    ap.add_argument("--requantize", default=None, metavar="FTYPE",
+                    help="run the model re-quantized by llama.cpp to this file type (Q4_K_M, Q5_K_M, Q6_K ...)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
 
@@ -166,6 +171,14 @@ def main() -> None:
     if a.block < 1:
         ap.error("--block must be at least 1")
     src = resolve_model(a.model)
+    if a.requantize:
+        from zoomr.backends.llamacpp.requantize import requantize_to_temp
+
+        try:
+            path, _tmp = requantize_to_temp(src.path, a.requantize)  # _tmp: removed at exit
+        except ValueError as e:
+            ap.error(f"--requantize: {e}")
+        src = resolve_model(str(path))
     ids = prompt_ids(LlamaCppTokenizer(src.path), a.prompt_tokens)
     n_ctx = len(ids) + a.decode_tokens + 8
     engines = [LlamaCppRow(src.path, n_ctx, a.threads)] + [

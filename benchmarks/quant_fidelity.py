@@ -12,8 +12,15 @@ shipped in the package, as the parity test reads them), one run:
    reference row (``fp32:none``) and each other row; every recompute's zoomed-in and summary segment
    lists compared position by position. The issue's target: the same selections for ≥ 95% of recomputes.
 
+3. Bytes (``bytes`` in the JSON): per GGUF type of the file's quantized tensors, the bytes the file holds them
+   in, the bytes ``--quant auto`` (bf16) holds them in as linears, their ratio, and the form (``int4 (Q4_K)``,
+   ``int4×2 (Q6_K regrouped)``, ...).
+
+``--requantize FTYPE`` first has llama.cpp re-quantize the model (``Q4_K_M``, ``Q5_K_M``, ``Q6_K`` ...; written to
+a temporary directory) and measures that file: K-quant files without a download.
+
     python benchmarks/quant_fidelity.py [--rows fp32:none,bf16:auto,bf16:auto:compile,fp32:fp16] [--tokens 512]
-        [--zoomr-problems 3] [--zoomr-tokens 384] [-t 2] [--json out.json|-]
+        [--zoomr-problems 3] [--zoomr-tokens 384] [-t 2] [--requantize Q4_K_M] [--json out.json|-]
 """
 
 from __future__ import annotations
@@ -56,6 +63,31 @@ def zoomr_selections(be, problems: list[tuple[list[int], list[int]]]) -> list[li
     return out
 
 
+def bytes_by_type(path) -> dict[str, dict]:
+    """Per GGUF type of ``path``'s kept quantized tensors: file bytes, bytes held as a ``--quant auto`` bf16
+    linear (each tensor alone), their ratio and the form it runs in."""
+    import gguf
+    import torch
+
+    from zoomr.backends.torch.quant import GroupQuant, make_linear
+    from zoomr.backends.torch.weights import load_gguf
+
+    _, kept, _ = load_gguf(path, keep_blocks=True)
+    out: dict[str, dict] = {}
+    for q in kept.values():
+        if not isinstance(q, GroupQuant):
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q.source]]
+        lin = make_linear([q], None, "auto", torch.device("cpu"), torch.bfloat16)
+        row = out.setdefault(q.source, {"form": lin.kind, "tensors": 0, "file_bytes": 0, "held_bytes": 0})
+        row["tensors"] += 1
+        row["file_bytes"] += q.shape[0] * q.shape[1] // block * size
+        row["held_bytes"] += lin.nbytes()
+    for row in out.values():
+        row["ratio"] = round(row["held_bytes"] / row["file_bytes"], 4)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
@@ -65,8 +97,19 @@ def main() -> None:
     ap.add_argument("--zoomr-problems", type=int, default=3, help="GSM8K problems for the ZoomR comparison (0: skip)")
     ap.add_argument("--zoomr-tokens", type=int, default=384, help="answer tokens forced per problem")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--requantize", default=None, metavar="FTYPE",
+                    help="measure the model re-quantized by llama.cpp to this file type (Q4_K_M, Q5_K_M, Q6_K ...)")
     ap.add_argument("--json", default=None, help="write the record here ('-': stdout)")
     a = ap.parse_args()
+    if a.requantize:
+        from zoomr.backends.llamacpp.requantize import requantize_to_temp
+        from zoomr.backends.models import resolve_model as _resolve
+
+        try:
+            path, _tmp = requantize_to_temp(_resolve(a.model).path, a.requantize)  # _tmp: removed at exit
+        except ValueError as e:
+            ap.error(f"--requantize: {e}")
+        a.model = str(path)
 
     import zoomr
     from zoomr.backends.models import resolve_model
@@ -84,7 +127,10 @@ def main() -> None:
     ids = gsm8k_text_ids(tok, a.tokens)
     ref = llamacpp_logits(src.path, ids)
     log = sys.stderr if a.json == "-" else sys.stdout
-    record = {"tokens": len(ids), "rows": []}
+    record = {"tokens": len(ids), "file_type": a.requantize, "bytes": bytes_by_type(src.path), "rows": []}
+    for t, row in record["bytes"].items():
+        print(f"{t:<5} {row['tensors']:>4} tensors: {row['held_bytes'] / 2**20:7.2f} MiB held / "
+              f"{row['file_bytes'] / 2**20:7.2f} MiB in the file = {row['ratio']:.3f}×  [{row['form']}]", file=log)
     problems = []
     for i, rec in enumerate(records("gsm8k")):
         if i >= a.zoomr_problems:

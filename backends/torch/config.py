@@ -1,4 +1,4 @@
-"""Architecture description of a decoder-only transformer of the Llama / Qwen2 family."""
+"""Architecture description of a decoder-only transformer of the Llama / Qwen2 / Qwen3 family."""
 
 from __future__ import annotations
 
@@ -6,13 +6,19 @@ from dataclasses import dataclass, field
 
 from zoomr.backends.models import model_warning, short_repr
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # RoPE scalings the decoder implements (backends/torch/rope.py); None = plain RoPE
 ROPE_SCALINGS = (None, "default", "linear", "llama3")
 # transformers' documented defaults (LlamaConfig, Qwen2Config) for keys a config.json may omit; the
-# qwen2 RoPE base is left out on purpose: transformers' 10000 is not what any Qwen2 was trained with
+# qwen2/qwen3 RoPE base is left out on purpose: transformers' 10000 is not what any Qwen2 or Qwen3 was trained with
 HF_RMS_EPS_DEFAULT = 1e-6
 HF_ROPE_THETA_DEFAULTS = {"llama": 10000.0}
+QWEN3_HEAD_DIM_DEFAULT = 128
+# config.json model_type -> decoder architecture (Mistral is Llama's layout)
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# HF class and model_type each architecture is written back as (to_hf)
+_HF_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 
 @dataclass
@@ -20,7 +26,8 @@ class ModelConfig:
     """Shapes and constants of a Llama-family decoder.
 
     Attributes:
-        arch: "llama" (Llama, SmolLM2, Mistral-like) or "qwen2" (q/k/v projections carry a bias).
+        arch: "llama" (Llama 1-3.x, SmolLM2, Mistral-like), "qwen2" (q/k/v projections carry a bias) or
+            "qwen3" (no biases; RMSNorm over each query and key head before RoPE, :attr:`qk_norm`).
         n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, vocab: sizes (GQA when n_kv_heads < n_heads).
         rope_theta: RoPE base.
         rope_scaling: HF-style dict ({"rope_type": "linear"|"llama3", "factor": ..., ...}) or None.
@@ -46,13 +53,19 @@ class ModelConfig:
     attn_bias: bool = False
     extra: dict = field(default_factory=dict)
 
+    @property
+    def qk_norm(self) -> bool:
+        """Queries and keys pass a per-head RMSNorm (weights [head_dim], shared by the heads) between the
+        projection and RoPE: Qwen3 (transformers ``Qwen3Attention``; llama.cpp ``attn_q_norm``/``attn_k_norm``)."""
+        return self.arch == "qwen3"
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V of one token over all layers at ``dtype_bytes`` per element."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
     def to_hf(self) -> dict:
         """A HF ``config.json`` dict for this architecture (used to write safetensors directories)."""
-        hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}[self.arch]
+        hf_arch = _HF_CLASSES[self.arch]
         cfg = {
             "architectures": [hf_arch[0]],
             "model_type": hf_arch[1],
@@ -69,6 +82,10 @@ class ModelConfig:
             "tie_word_embeddings": self.tied_embeddings,
             "max_position_embeddings": self.max_ctx,
         }
+        if self.arch == "qwen3":
+            # transformers' Qwen3 has q/k/v biases only together with an o_proj one, which zoomr's decoder (and a
+            # GGUF qwen3) lacks: written as it is, such a model is refused by name where it is read back
+            cfg["attention_bias"] = self.attn_bias
         return cfg
 
     def validate(self) -> None:
@@ -91,7 +108,8 @@ class ModelConfig:
         """Every tensor the decoder may read, by HF name: (shape [out, in] as in torch, required).
 
         Optional ones: q/k/v biases of a model without them, the LM head of a tied model, and GGUF
-        ``rope_freqs`` (per-frequency RoPE divisors, [head_dim // 2]).
+        ``rope_freqs`` (per-frequency RoPE divisors, [head_dim // 2]). Qwen3 requires the per-head query and
+        key norms, ``self_attn.q_norm.weight`` and ``self_attn.k_norm.weight``, each [head_dim].
         """
         H, d = self.hidden, self.head_dim
         q, kv = self.n_heads * d, self.n_kv_heads * d
@@ -104,6 +122,8 @@ class ModelConfig:
                  "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
                  "mlp.gate_proj.weight": (self.ffn, H), "mlp.up_proj.weight": (self.ffn, H),
                  "mlp.down_proj.weight": (H, self.ffn)}
+        if self.qk_norm:
+            layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         bias = {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
         for i in range(self.n_layers):
             shapes.update({f"model.layers.{i}.{n}": (s, True) for n, s in layer.items()})
@@ -115,27 +135,37 @@ class ModelConfig:
         """Parse a HF ``config.json`` dict; ``where`` names the file in messages.
 
         Sizes are required. A missing ``rms_norm_eps`` (and a llama ``rope_theta``) takes transformers'
-        documented default with one warning line; a qwen2 config without ``rope_theta`` is refused (see
+        documented default with one warning line; a qwen2 or qwen3 config without ``rope_theta`` is refused (see
         ``zoomr.backends.gguf_file.ROPE_BASE_DEFAULTS``). Defaults that tensor shapes confirm
-        (``num_key_value_heads`` = heads, ``head_dim`` = hidden / heads) are taken silently.
+        (``num_key_value_heads`` = heads, ``head_dim`` = hidden / heads, for qwen3 transformers' 128) are taken
+        silently; Qwen3 configs give ``head_dim``, and it may differ from hidden / heads.
 
         Raises:
             ValueError: not a JSON object, unsupported architecture or activation, a missing or ill-typed
-                size, sizes that do not fit together.
+                size, sizes that do not fit together, what the decoder does not implement: sliding-window
+                attention (Qwen2/Qwen3 ``use_sliding_window``), an output-projection bias (transformers' Llama
+                and Qwen3 put one on ``o_proj`` when ``attention_bias`` is set).
         """
         if not isinstance(cfg, dict):
             raise ValueError(f"{where} is not a JSON object")
         model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}.get(model_type) if isinstance(model_type, str) \
-            else None
+        arch = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
         if arch is None:
             raise ValueError(f"{where}: unsupported model_type {short_repr(model_type)} "
-                             "(supported: llama, mistral, qwen2)")
+                             f"(supported: {', '.join(HF_MODEL_TYPES)}; other architectures run from a GGUF file "
+                             "with --backend llamacpp)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act {short_repr(cfg['hidden_act'])} is not implemented "
                              "(the decoder's MLP is SwiGLU, silu)")
         if cfg.get("mlp_bias"):
             raise ValueError(f"{where}: mlp_bias is not implemented (the decoder's MLP has no biases)")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window is set: sliding-window attention is not implemented "
+                             "by the torch backend (--backend llamacpp runs it from a GGUF file)")
+        if arch in ("llama", "qwen3") and cfg.get("attention_bias"):
+            # with attention_bias transformers adds an o_proj bias to these two, which the decoder has no place for
+            raise ValueError(f"{where}: attention_bias is set: the {model_type} output projection's bias is not "
+                             "implemented by the torch backend")
 
         def size(key: str, default=None) -> int:
             v = cfg.get(key)
@@ -180,7 +210,8 @@ class ModelConfig:
             hidden=hidden,
             n_heads=n_heads,
             n_kv_heads=size("num_key_value_heads", n_heads),
-            head_dim=size("head_dim", hidden // n_heads or None),
+            # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads (shapes confirm either)
+            head_dim=size("head_dim", QWEN3_HEAD_DIM_DEFAULT if arch == "qwen3" else hidden // n_heads or None),
             ffn=size("intermediate_size"),
             vocab=size("vocab_size"),
             rope_theta=float(theta),

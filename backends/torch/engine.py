@@ -139,7 +139,8 @@ class TorchBackend:
         source: resolved model files (GGUF or HF directory).
         device: "auto", "cpu", "cuda", "cuda:1" ...
         dtype: "auto", "fp32", "bf16", "fp16".
-        quant: "auto" (keep a GGUF's Q4_0/Q4_1/Q8_0 blocks as int4, exactly; none for HF), "none" (dense in the
+        quant: "auto" (keep a GGUF's legacy and K-quant blocks in the int4 kernel, exactly, Q6_K regrouped
+            to groups of 32: :func:`zoomr.backends.torch.quant.kernel_planes`; none for HF), "none" (dense in the
             compute dtype), "int8" or "int4" (quantize at load; GGUF Q4 blocks stay exact under int4), "fp16"
             (fp16 weights, fp32 compute, CPU only). See :mod:`zoomr.backends.torch.quant`.
         n_ctx: most positions a sequence may hold (tokens), ``-c``.

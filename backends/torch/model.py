@@ -1,10 +1,10 @@
-"""A compact functional decoder for the Llama / Qwen2 / SmolLM2 family.
+"""A compact functional decoder for the Llama / Qwen2 / Qwen3 / SmolLM2 family.
 
-Pre-norm transformer: RMSNorm → attention (GQA, RoPE, optional q/k/v bias) → residual →
-RMSNorm → SwiGLU MLP → residual; final RMSNorm; LM head (tied or not). Attention reads its keys
-and values through a :class:`zoomr.kvstore.base.KVCache`, which is where KV policies plug in.
+Pre-norm transformer: RMSNorm → attention (GQA, optional q/k/v bias, optional per-head q/k RMSNorm, RoPE)
+→ residual → RMSNorm → SwiGLU MLP → residual; final RMSNorm; LM head (tied or not). Attention reads its
+keys and values through a :class:`zoomr.kvstore.base.KVCache`, which is where KV policies plug in.
 
-Source: the HF ``transformers`` Llama and Qwen2 modelling code (architecture facts only).
+Source: the HF ``transformers`` Llama, Qwen2 and Qwen3 modelling code (architecture facts only).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class LayerShape:
 
 def attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
             shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer up to attention: RMSNorm, fused QKV projection, RoPE on q and k.
+    """A layer up to attention: RMSNorm, fused QKV projection, the per-head q/k RMSNorm where the layer has
+    one (Qwen3, ``L.qk_norm``), RoPE on q and k.
 
     Args:
         x: [S, hidden] float32 residual stream; cos, sin: [S, d] from :class:`RotaryTable`.
@@ -98,8 +99,13 @@ def attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
     H, Hkv, d, S = shape.n_heads, shape.n_kv_heads, shape.head_dim, x.shape[0]
     h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, shape.eps).to(shape.dtype)
     qkv = L.qkv(h).to(shape.kv_dtype)
+    qk = qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d)
+    if L.qk_norm is not None:
+        # normalized in fp32 whatever the KV dtype, as transformers' Qwen3RMSNorm does; q and k heads in one
+        # call, each head's row of the stacked weight being its q or k norm
+        qk = (F.rms_norm(qk.float(), (d,), None, shape.eps) * L.qk_norm).to(shape.kv_dtype)
     # q and k rotate together: one rotation per layer instead of two
-    qk = apply_rotary(qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d).transpose(0, 1), cos, sin)
+    qk = apply_rotary(qk.transpose(0, 1), cos, sin)
     v = qkv[:, (H + Hkv) * d:].view(S, Hkv, d).transpose(0, 1)
     return qk[:H], qk[H:], v
 
@@ -188,6 +194,7 @@ class _Layer:
     mlp_norm: torch.Tensor    # [hidden]
     gate_up: Linear           # hidden → 2 * ffn
     down: Linear              # ffn → hidden
+    qk_norm: torch.Tensor | None = None   # [H + Hkv, d] float32: q_norm on the H query rows, k_norm on the Hkv (Qwen3)
 
 
 class Decoder:
@@ -253,6 +260,13 @@ class Decoder:
                 self.lm_head = ExactTopHead(self.lm_head, table, EXACT_TOP_K, dtype, shares_table=tied)
         self.norm = norm("model.norm.weight")
         self.layers: list[_Layer] = []
+
+        def qk_norm(a: str) -> torch.Tensor | None:
+            if not cfg.qk_norm:
+                return None
+            q, k = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
+            return torch.cat([q.expand(cfg.n_heads, -1), k.expand(cfg.n_kv_heads, -1)]).contiguous()
+
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -264,6 +278,7 @@ class Decoder:
                 mlp_norm=norm(p + "post_attention_layernorm.weight"),
                 gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=lin([p + "mlp.down_proj.weight"]),
+                qk_norm=qk_norm(a),
             ))
         freq = tensors.get("rope_freqs")
         inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -283,7 +298,7 @@ class Decoder:
     def weight_bytes(self) -> int:
         """Bytes of all weights as held on the device (a tied table counted once per form it is held in)."""
         total = sum(x.nbytes() for x in self.linears())
-        tensors = [self.norm] + [w for L in self.layers for w in (L.attn_norm, L.mlp_norm)]
+        tensors = [self.norm] + [w for L in self.layers for w in (L.attn_norm, L.mlp_norm, L.qk_norm) if w is not None]
         if isinstance(self.embed, QuantEmbedding):
             total += self.embed.nbytes()
         elif not (isinstance(self.lm_head, DenseLinear) and self.lm_head.w is self.embed):
@@ -291,8 +306,9 @@ class Decoder:
         return total + sum(w.numel() * w.element_size() for w in tensors)
 
     def weight_summary(self) -> str:
-        """How the linears are held, e.g. ``int4 (Q4_1), head int4 (Q8_0)``."""
-        body = sorted({x.kind for x in self.linears()[:-1]})
+        """How the linears are held, e.g. ``int4 (Q4_K)/int4×2 (Q6_K regrouped), head int4×2 (Q8_0)``: one entry
+        per form and source type (a linear's ``kind`` lists its own, '/'-separated)."""
+        body = sorted({k for x in self.linears()[:-1] for k in x.kind.split("/")})
         return f"{'/'.join(body)}, head {self.lm_head.kind}"
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,34 @@
 """Weight-only quantized linears for the torch decoder: weights stay 4- or 8-bit, activations in the compute dtype.
 
 A quantized weight is held as integer codes with a group-wise affine map, ``w = code · scale + zero``
-(:class:`GroupQuant`), which is exactly how GGUF's Q4_0, Q4_1 and Q8_0 blocks define their values (ggml's
-``dequantize_row_q4_0`` / ``_q4_1`` / ``_q8_0``: 32 weights per block, an fp16 scale ``d`` and, for Q4_1, an
-fp16 minimum ``m``). The blocks are read from the file's raw bytes (:func:`from_gguf_blocks`), never through
-a float copy, and turned into torch's packed-weight kernels:
+(:class:`GroupQuant`), which is exactly how GGUF's block types define their values (ggml's
+``dequantize_row_*``): the legacy Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 weights per block, fp16 ``d`` and, for
+_1, an fp16 minimum ``m``) and the K-quants Q4_K, Q5_K (super-blocks of 256 in 8 sub-blocks of 32, each
+scale ``d·sc`` and minimum ``dmin·m``) and Q6_K (16 sub-blocks of 16, scale ``d·sc``, zero 0). The blocks are
+read from the file's raw bytes (:func:`from_gguf_blocks`), never through a float copy, and turned into
+torch's packed-weight kernels:
 
 - :class:`Int4Linear`: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (CPU) / ``_weight_int4pack_mm`` (CUDA),
   unsigned 4-bit codes, groups of 32 along the input, ``w = (code − 8) · scale + zero`` with scale and zero in
-  the activation dtype. Q4_1 maps as scale ``d``, zero ``m + 8d``; Q4_0 as scale ``d``, zero 0. Q8_0's signed
-  8-bit codes split exactly into two 4-bit planes, ``q = 16·hi + lo`` (hi ∈ [−8, 7], lo ∈ [0, 15]), run as one
-  kernel call over the input written twice (``[x, x]``): plane hi with scale 16d, zero 0; plane lo with scale
-  d, zero 8d. Same bytes as int8, same values as the file.
+  the activation dtype. What each GGUF type becomes (:func:`kernel_planes`):
+
+  - Q4_0, Q4_1, Q4_K: one plane, the file's codes and per-32 affine map (Q4_K: scale ``d·sc``, zero
+    ``8·d·sc − dmin·m``). Q4_K's bytes: 4 bits of code + a bf16 scale and zero per 32 = 5 bits a weight,
+    1.11× the file's 4.5.
+  - Q8_0, Q5_0, Q5_1, Q5_K: codes up to 8 bits split exactly into two 4-bit planes, ``c = 16·hi + lo``, run as
+    one kernel call over the input written twice (``[x, x]``). Same values as the file; 10 bits a weight
+    (Q5_K: 1.82× its 5.5, Q8_0: 1.18× its 8.5). The alternatives measured for 5-bit codes lose values
+    (int8 per row) or hold more bytes (dense bf16, 16 bits).
+  - Q6_K: its per-16 scales do not fit the kernel's one scale per 32: :func:`regroup_to_32` makes the
+    nearest group-32 8-bit codes (half of them exact, the rest within an eighth of a Q6_K step), two planes,
+    1.52× the file's 6.56 bits. Measured against the alternatives on SmolLM2-135M Q6_K (ffn_down; KL to
+    llama.cpp added over the fp32 decoder, ffn_down bytes vs the file, decode tok/s bf16 1 thread on an
+    AVX512-BF16 CPU): exact four planes 0.00020 nats, 3.05×, 34.9; regrouped 0.00030, 1.52×, 39.6; dense bf16
+    0.00029, 2.44×, 33.6; int8 per row 0.00148, 1.22×, 30.3. Regrouped: the fewest bytes at the dense
+    path's fidelity, and the fastest.
+
+  A fused linear whose parts need different plane counts runs one call per run of alike parts
+  (:class:`StackedLinear`).
 - :class:`Int8Linear`: ``torch.ops.aten._weight_int8pack_mm``: signed 8-bit codes, one scale per output row
   (the kernel has no groups), so GGUF blocks are re-quantized per row (lossy; ``--quant int8`` only).
 - :class:`Fp16Linear`: fbgemm's packed fp16 GEMM (``--quant fp16``, x86 CPUs): fp16 weights, fp32 activations
@@ -19,13 +36,13 @@ a float copy, and turned into torch's packed-weight kernels:
   int4 kernel in bf16, prefilled ~2× faster, kept the fp32 path's agreement with llama.cpp, and its cost grows
   least with the batch (``benchmarks/backend_speed.py`` row ``fp16w``, ``batch_throughput.py --quant fp16``).
 - :class:`DenseLinear`: ``F.linear`` on a compute-dtype weight (``--quant none``, and file types the kernels
-  cannot hold, such as F16 or Q6_K); in fp32 on a CPU, oneDNN on a packed copy (:mod:`.onednn`).
+  do not hold, such as F16, Q2_K, Q3_K); in fp32 on a CPU, oneDNN on a packed copy (:mod:`.onednn`).
 
-Exactness: the codes are exact; the kernels take scale and zero in the activation dtype, so in bf16 each is
-rounded to 8 significant bits (relative error ≤ 2⁻⁹, as a bf16 weight would be), and they return their output
-in it (bf16: the same rounding of every output); in fp32 they are exact but an order of magnitude slower.
-Where that output rounding costs agreement with llama.cpp the decoder works around it: :mod:`.head` for the
-logits, an fp32 SwiGLU product in :mod:`.model`.
+Exactness: the codes are exact (Q6_K's regrouped ones aside); the kernels take scale and zero in the
+activation dtype, so in bf16 each is rounded to 8 significant bits (relative error ≤ 2⁻⁹, as a bf16 weight
+would be), and they return their output in it (bf16: the same rounding of every output); in fp32 they are
+exact but an order of magnitude slower. Where that output rounding costs agreement with llama.cpp the
+decoder works around it: :mod:`.head` for the logits, an fp32 SwiGLU product in :mod:`.model`.
 
 Kernel choice: the int4 bf16 kernel is the fastest of these per decode token on both CPUs measured (AVX2 and
 AVX512-BF16; ``benchmarks/backend_speed.py`` rows, README "Quantized weights"), and the int kernels in fp32 or
@@ -44,10 +61,16 @@ import torch.nn.functional as F
 
 from . import onednn
 
-GROUP = 32  # GGUF's block of Q4_0/Q4_1/Q8_0; also the group the int4 kernel runs at load-time quantization
+# GGUF's legacy block and the K-quants' sub-block (Q6_K: 16); also the group of load-time int4 quantization
+GROUP = 32
 QUANT_MODES = ("auto", "none", "int8", "int4", "fp16")
+# ggml's legacy blocks (32 weights): type → bytes per block
+_LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+# ggml's K-quant super-blocks (QK_K = 256 weights): type → bytes per super-block
+_K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+QK_K = 256
 # ggml type names whose blocks map onto :class:`GroupQuant` exactly
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_BLOCK_TYPES = tuple(_LEGACY_BYTES) + tuple(_K_BYTES)
 # the CPU int4 kernel packs output rows in tiles of 16
 _CPU_N_ALIGN = 16
 
@@ -115,43 +138,109 @@ class GroupQuant:
 def from_gguf_blocks(raw: np.ndarray, type_name: str) -> GroupQuant:
     """Decode GGUF blocks into codes, scales and zeros without rounding anything.
 
-    Block layouts (ggml ``block_q4_0``, ``block_q4_1``, ``block_q8_0``; 32 weights each, little-endian):
-    Q4_0 = fp16 d, 16 bytes of nibbles (weight j in the low nibble of byte j, weight j+16 in the high one),
-    ``w = d·(q − 8)``; Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles, ``w = d·q + m``; Q8_0 = fp16 d, 32 int8,
-    ``w = d·q``.
+    Layouts (ggml-common.h ``block_*``, dequantized as ggml-quants.c ``dequantize_row_*`` does; little-endian,
+    fp16 ``d``/``m``/``dmin``):
+
+    - Q4_0 (18 B / 32): d, 16 B of nibbles (weight j low nibble of byte j, weight j+16 the high one); d·(q − 8).
+    - Q4_1 (20 B / 32): d, m, nibbles as Q4_0; d·q + m.
+    - Q5_0 (22 B / 32): d, uint32 qh (bit j: 5th bit of weight j), nibbles as Q4_0; d·(q − 16).
+    - Q5_1 (24 B / 32): d, m, qh, nibbles as Q5_0; d·q + m.
+    - Q8_0 (34 B / 32): d, 32 int8; d·q.
+    - Q4_K (144 B / 256): d, dmin, 12 B of 6-bit sub-block scales sc and minima m (8 of each), 128 B of
+      nibbles (bytes 32c..32c+31: sub-block 2c in the low nibbles, 2c+1 in the high ones); per sub-block of 32,
+      (d·sc)·q − dmin·m.
+    - Q5_K (176 B / 256): as Q4_K with 32 B qh between scales and nibbles (bit i of qh[l]: 5th bit of weight l
+      of sub-block i).
+    - Q6_K (210 B / 256): 128 B low nibbles, 64 B 2-bit highs, 16 int8 scales, d; per sub-block of 16,
+      (d·sc)·(q − 32).
+
+    ``d·sc`` and ``dmin·m`` are exact in fp32 (an fp16 times an integer below 2⁸), so each weight is one
+    fp32 ``code · scale + zero``, as ggml and ``gguf.quants.dequantize`` compute it.
 
     Args:
         raw: [N, blocks · bytes_per_block] uint8, one row of the tensor per row.
-        type_name: ``Q4_0``, ``Q4_1`` or ``Q8_0``.
+        type_name: one of :data:`GGUF_BLOCK_TYPES`.
     Returns:
-        [N, 32 · blocks] :class:`GroupQuant` with group 32.
+        [N, K] :class:`GroupQuant`: group 32 (Q6_K: 16); bits 4 for Q4_0/Q4_1/Q4_K (codes 0..15), 8 for the rest
+        (codes within int8).
     Raises:
         ValueError: another type, or a row length that is not a whole number of blocks.
     """
-    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-    if type_name not in sizes:
+    size = _LEGACY_BYTES.get(type_name) or _K_BYTES.get(type_name)
+    if size is None:
         raise ValueError(f"no exact int mapping for GGUF type {type_name}")
     N, row_bytes = raw.shape
-    size = sizes[type_name]
     if row_bytes % size:
         raise ValueError(f"{type_name} row of {row_bytes} bytes is not a whole number of {size}-byte blocks")
     nb = row_bytes // size
     blocks = np.ascontiguousarray(raw).reshape(N, nb, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    decode = _decode_k if type_name in _K_BYTES else _decode_legacy
+    codes, scale, zero, group = decode(blocks, type_name)
+    bits = 4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8
+    return GroupQuant(codes.reshape(N, -1).astype(np.int16), scale.reshape(N, -1), zero.reshape(N, -1), group, bits,
+                      type_name)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 → [...] float32 (an fp16 field of a block, widened exactly)."""
+    return b.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes → [..., 32] codes: low nibbles first, then high (ggml's order within a 32-block)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _decode_legacy(blocks: np.ndarray, type_name: str):
+    """[N, nb, size] legacy blocks → (codes [N, nb, 32], scale [N, nb], zero [N, nb], 32)."""
+    d = _f16(blocks[..., 0:2])
     if type_name == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
-        zero = np.zeros_like(d)
-        bits = 8
+        return blocks[..., 2:].copy().view(np.int8), d, np.zeros_like(d), GROUP
+    has_min = type_name in ("Q4_1", "Q5_1")
+    at = 4 if has_min else 2
+    if type_name in ("Q5_0", "Q5_1"):
+        qh = blocks[..., at:at + 4].copy().view("<u4")  # [N, nb, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = _nibbles(blocks[..., at + 4:]) | (high << 4)
     else:
-        start = 4 if type_name == "Q4_1" else 2
-        packed = blocks[..., start:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)
-        if type_name == "Q4_1":
-            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        else:  # d·(q − 8) = d·q + (−8d): exact in fp32 (a power-of-two multiple of an fp16 value)
-            zero = -8.0 * d
-        bits = 4
-    return GroupQuant(codes.reshape(N, nb * GROUP), d, zero, GROUP, bits, type_name)
+        codes = _nibbles(blocks[..., at:])
+    if has_min:
+        return codes, d, _f16(blocks[..., 2:4]), GROUP
+    if type_name == "Q4_0":  # unsigned codes (one kernel plane): d·(q − 8) = d·q + (−8d), exact
+        return codes, d, -8.0 * d, GROUP
+    # Q5_0: d·(q − 16) = d·c with signed c = q − 16 (two planes either way): the zero is exactly 0
+    return codes.astype(np.int16) - 16, d, np.zeros_like(d), GROUP
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 scale bytes [..., 12] → (sc [..., 8], m [..., 8]), 6 bits each (ggml ``get_scale_min_k4``)."""
+    s = s.astype(np.uint16)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _decode_k(blocks: np.ndarray, type_name: str):
+    """[N, nb, size] K-quant super-blocks → (codes [N, nb, 256], scale, zero [N, nb, 256 / group], group)."""
+    N, nb, _ = blocks.shape
+    if type_name == "Q6_K":
+        ql = blocks[..., 0:128].reshape(N, nb, 2, 2, 32)         # [half, 32-byte run, l]
+        qh = blocks[..., 128:192].reshape(N, nb, 2, 1, 32)
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)      # [half, 4 runs of 32, l]
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        codes = (low | (high << 4)).reshape(N, nb, QK_K).astype(np.int16) - 32
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        scale = _f16(blocks[..., 208:210])[..., None] * sc
+        return codes, scale, np.zeros_like(scale), 16
+    d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
+    sc, m = _k_scales(blocks[..., 4:16])
+    at = 16 if type_name == "Q4_K" else 48
+    qs = blocks[..., at:at + 128].reshape(N, nb, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(N, nb, 8, 32)
+    if type_name == "Q5_K":
+        qh = blocks[..., 16:48].reshape(N, nb, 1, 32)
+        codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+    return codes, d * sc.astype(np.float32), -(dmin * m.astype(np.float32)), GROUP
 
 
 def quantize_int4(w: np.ndarray, group: int = GROUP) -> GroupQuant:
@@ -225,36 +314,84 @@ class DenseLinear:
         return sum(held) + (self._packed.nbytes() if self._packed is not None else 0)
 
 
+def regroup_to_32(q: GroupQuant) -> GroupQuant:
+    """A group-16 weight (Q6_K: ``(d·sc)·c``, c ∈ [−32, 31], zero 0) as the nearest group-32 one with 8-bit codes.
+
+    Each 32-group takes scale ``s = d·sc_a / 4`` of its sub-block ``a`` with the larger ``|sc|``: that sub-block's
+    codes become ``4·c`` ∈ [−128, 124], exact; the other one's ``round(c · 4·sc_b / sc_a)``, within ``s / 2`` (an
+    eighth of sub-block a's Q6_K step; exact where ``sc_b = sc_a``). Why not exact: the int4 kernel has one
+    scale per 32-group, so exact group-16 values need each sub-block in planes of its own, four in all: 3.05×
+    the file's bytes (more than dense bf16's 2.44×) against 1.52× here, measured on SmolLM2-135M Q6_K to add
+    0.00020 nats of KL to llama.cpp over the fp32 decoder against 0.00030 here (dense bf16 weights: 0.00029).
+
+    Args:
+        q: [N, K] with group 16 and zero 0.
+    Returns:
+        [N, K] group 32, bits 8, source ``Q6_K regrouped``.
+    Raises:
+        ValueError: a group other than 16, or a nonzero zero.
+    """
+    if q.group != 16 or np.any(q.zero):
+        raise ValueError("only group-16 weights with zero 0 (Q6_K) regroup to 32")
+    N, K = q.shape
+    c = q.codes.reshape(N, K // 32, 2, 16).astype(np.float64)
+    sc = q.scale.reshape(N, K // 32, 2).astype(np.float64)
+    big = np.where(np.abs(sc[..., 0]) >= np.abs(sc[..., 1]), sc[..., 0], sc[..., 1]) / 4.0
+    big = np.where(big != 0, big, 1.0)  # both sub-blocks scaled 0: every weight is 0 at any scale
+    codes = np.clip(np.rint(c * (sc / big[..., None])[..., None]), -128, 127).astype(np.int16)
+    return GroupQuant(codes.reshape(N, K), big.astype(np.float32), np.zeros((N, K // 32), np.float32), GROUP, 8,
+                      f"{q.source} regrouped")
+
+
+def kernel_planes(q: GroupQuant,
+                  dtype: torch.dtype = torch.float32) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The 4-bit planes whose sum over the input written once per plane is ``q``: what :class:`Int4Linear` packs.
+
+    Each plane is (codes [N, K] 0..15, scale [N, K // 32], zero [N, K // 32]) in the kernel's form
+    ``(code − 8) · scale + zero``, groups of 32:
+
+    - 4-bit codes (Q4_0, Q4_1, Q4_K, from float): one plane, zero + 8·scale as its zero.
+    - codes within int8 (Q8_0, Q5_0, Q5_1, Q5_K, regrouped Q6_K): ``c = 16·hi + lo`` (arithmetic shift:
+      hi ∈ [−8, 7], lo ∈ [0, 15]); plane hi with scale 16·s and the group's zero z rounded to ``dtype``
+      (the kernel holds it so), plane lo with scale s and zero 8·s + (z − that rounding). Exact; in a half
+      dtype the two zeros together then round z to about 8·s·2⁻⁹, not |z|·2⁻⁹ (Q5_1/Q5_K's minima are
+      several steps large).
+
+    Raises:
+        ValueError: a group other than 32 (see :func:`regroup_to_32`).
+    """
+    if q.group != GROUP:
+        raise ValueError(f"int4 kernel runs groups of {GROUP}, not {q.group}")
+    if q.bits == 4:
+        return [(q.codes, q.scale, q.zero + 8.0 * q.scale)]
+    codes = q.codes.astype(np.int16)
+    hi, lo = codes >> 4, codes & 0x0F
+    z_hi = torch.from_numpy(q.zero).to(dtype).float().numpy()
+    return [(hi + 8, 16.0 * q.scale, z_hi), (lo, q.scale, 8.0 * q.scale + (q.zero - z_hi))]
+
+
 class Int4Linear:
     """4-bit weight-only linear over torch's packed int4 kernel, groups of 32 along the input.
 
-    A :class:`GroupQuant` with 4-bit codes packs as is (scale → scale, zero → zero + 8·scale); one with 8-bit
-    codes (Q8_0) packs as two 4-bit planes over the input written twice, which keeps its values exactly.
+    The weight is held as the 4-bit planes of :func:`kernel_planes`, side by side along the input, and run as one
+    kernel call over the input written once per plane (``[x, x]`` for two): one plane for 4-bit codes, two for
+    5-bit to 8-bit ones. The values are ``q``'s exactly.
 
     Args:
-        q: [N, K] quantized weight (group 32).
+        q: [N, K] quantized weight, group 32.
         b: [N] float32 bias or None.
         device: CPU or CUDA; dtype: the activation dtype (scales are held in it; CUDA needs bf16).
     Raises:
-        ValueError: a group other than 32, or a CUDA dtype other than bf16.
+        ValueError: a group :func:`kernel_planes` cannot map, or a CUDA dtype other than bf16.
     """
 
     def __init__(self, q: GroupQuant, b: np.ndarray | None, device: torch.device, dtype: torch.dtype):
-        if q.group != GROUP:
-            raise ValueError(f"int4 kernel runs groups of {GROUP}, not {q.group}")
         if device.type == "cuda" and dtype != torch.bfloat16:
             raise ValueError("the CUDA int4 kernel needs --dtype bf16")
-        N, K = q.shape
-        if q.bits == 8:
-            codes8 = q.codes.astype(np.int16)
-            hi, lo = codes8 >> 4, codes8 & 0x0F  # arithmetic shift: q = 16·hi + lo, hi ∈ [−8, 7], lo ∈ [0, 15]
-            codes = np.concatenate([hi + 8, lo], axis=1)
-            scale = np.concatenate([16.0 * q.scale, q.scale], axis=1)
-            zero = np.concatenate([q.zero, q.zero + 8.0 * q.scale], axis=1)
-            self.repeat = 2
-        else:
-            codes, scale, zero = q.codes, q.scale, q.zero + 8.0 * q.scale
-            self.repeat = 1
+        planes = kernel_planes(q, dtype)
+        codes, scale, zero = (np.concatenate([p[i] for p in planes], axis=1) for i in range(3))
+        self.repeat = len(planes)
+        N = q.shape[0]
         self.n_out = N
         n_pad = _padded_rows(N, _CPU_N_ALIGN)
         if n_pad != N:  # padded rows are zero codes with zero scale and zero: their outputs are dropped
@@ -276,12 +413,14 @@ class Int4Linear:
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         self.scale_zero = sz.to(device=device, dtype=dtype)
         self.b = None if b is None else torch.from_numpy(np.ascontiguousarray(b, np.float32)).to(device, dtype)
-        self.kind = f"int4 ({q.source})"
+        # one entry per source type, so the model line can say what each became (Q8_0 → ``int4×2``)
+        planes_tag = f"×{self.repeat}" if self.repeat > 1 else ""
+        self.kind = "/".join(f"int4{planes_tag} ({src})" for src in q.source.split("/"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] → [T, N] in x's dtype (which must be the dtype the scales were built in)."""
-        if self.repeat == 2:
-            x = torch.cat([x, x], dim=-1)
+        if self.repeat > 1:
+            x = torch.cat([x] * self.repeat, dim=-1)
         y = self._mm(x, self.packed, GROUP, self.scale_zero)
         if y.shape[-1] != self.n_out:
             y = y[..., :self.n_out]
@@ -289,6 +428,26 @@ class Int4Linear:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero, self.b) if t is not None)
+
+
+class StackedLinear:
+    """Linears over the same input whose outputs are stacked: a fused projection (QKV, gate/up) whose parts need
+    different kernel layouts (a Q4_K_M file's Q4_K Q/K beside a Q6_K V), each part in its own.
+
+    Args:
+        parts: the linears, in output order.
+    """
+
+    def __init__(self, parts: list["Linear"]):
+        self.parts = parts
+        self.kind = "/".join(dict.fromkeys(k for p in parts for k in p.kind.split("/")))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] → [T, ΣN_i]."""
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
 
 
 class Int8Linear:
@@ -307,7 +466,7 @@ class Int8Linear:
         self.w8 = (wt / scale[:, None]).round().clamp(-127, 127).to(torch.int8).to(device)
         self.scale = scale.to(device=device, dtype=dtype)
         self.b = None if b is None else torch.from_numpy(np.ascontiguousarray(b, np.float32)).to(device, dtype)
-        self.kind = f"int8 (from {source})"
+        self.kind = "/".join(f"int8 (from {src})" for src in source.split("/"))  # one entry per source type
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] → [T, N] in x's dtype."""
@@ -359,7 +518,7 @@ class Fp16Linear:
         return 2 * N * K + (4 * N if self.has_bias else 0)
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear | Fp16Linear
+Linear = DenseLinear | Int4Linear | Int8Linear | Fp16Linear | StackedLinear
 Weight = np.ndarray | GroupQuant
 
 
@@ -367,10 +526,12 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
                 dtype: torch.dtype) -> Linear:
     """One linear from the row blocks ``parts`` (fused QKV, gate/up) under ``--quant`` ``mode``.
 
-    ``auto`` keeps GGUF blocks as int4 (exact) and float weights dense; ``int4`` also quantizes float weights
-    (group 32, asymmetric) and re-quantizes block types whose codes do not fit (none: every supported block
-    type fits, Q8_0 as two planes); ``int8`` re-quantizes everything per row; ``fp16`` holds every weight in
-    fp16 for fbgemm's fp32-compute GEMM (:class:`Fp16Linear`, CPU); ``none`` is dense.
+    ``auto`` keeps GGUF blocks in the int4 kernel (exact; Q6_K by :func:`regroup_to_32`) and float weights
+    dense (a fused linear with any float part too); ``int4`` also quantizes float weights (group 32,
+    asymmetric); ``int8`` re-quantizes everything per row; ``fp16`` holds every weight in fp16 for fbgemm's
+    fp32-compute GEMM (:class:`Fp16Linear`, CPU); ``none`` is dense. Under ``int4``/``auto`` the parts of a
+    fused linear share one kernel call when they have the same plane count (Q5_0 Q/K with a Q8_0 V), and
+    otherwise run one call per run of alike parts (:class:`StackedLinear`: a Q4_K Q/K with a Q6_K V).
 
     Args:
         parts: [N_i, K] float32 arrays or :class:`GroupQuant` (same K), stacked in order.
@@ -390,8 +551,20 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
     K = parts[0].shape[1]
     if K % GROUP:  # no group fits: the kernel cannot hold it
         return DenseLinear(_stack_dense(parts), bias, device, dtype)
-    q = GroupQuant.concat([p if isinstance(p, GroupQuant) else quantize_int4(p) for p in parts])
-    return Int4Linear(q, bias, device, dtype)
+    qs = [quantize_int4(p) if not isinstance(p, GroupQuant) else regroup_to_32(p) if p.group != GROUP else p
+          for p in parts]
+    runs: list[list[GroupQuant]] = []   # consecutive parts of one layout share a kernel call
+    for q in qs:
+        if runs and (runs[-1][0].group, runs[-1][0].bits) == (q.group, q.bits):
+            runs[-1].append(q)
+        else:
+            runs.append([q])
+    linears, row = [], 0
+    for run in runs:
+        n = sum(q.shape[0] for q in run)
+        linears.append(Int4Linear(GroupQuant.concat(run), None if bias is None else bias[row:row + n], device, dtype))
+        row += n
+    return linears[0] if len(linears) == 1 else StackedLinear(linears)
 
 
 def _stack_dense(parts: list[Weight]) -> np.ndarray:

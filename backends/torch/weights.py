@@ -9,7 +9,9 @@ Nothing is trusted before it is checked: the GGUF header against the file's size
 presence, shape and type against the configuration, all before the first weight is read.
 
 Source of the GGUF layout: llama.cpp's ``convert_hf_to_gguf.py`` (tensor names, the Q/K row
-permutation it applies to the ``llama`` architecture, ``rope_freqs`` factors).
+permutation it applies to the ``llama`` architecture only, not to ``qwen2``/``qwen3``, whose RoPE is
+rotate-half already; Llama 3.1+'s ``rope_freqs`` factors) and ``llama-model.cpp`` (which tensors each
+architecture reads).
 """
 
 from __future__ import annotations
@@ -32,9 +34,6 @@ _GGUF_LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -45,7 +44,22 @@ _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
+}
+_GGUF_QKV_BIAS_NAMES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+# What each architecture has beyond the common tensors, as llama.cpp's loader reads them (it refuses a file with
+# any other): (per-layer names, global names). The q/k/v biases are optional for llama and qwen3, required for
+# qwen2 (config.py tensor_shapes); rope_freqs is where llama.cpp's converter puts Llama 3.1+'s "llama3" RoPE
+# scaling. llama.cpp reads rope_freqs for llama alone, and an output-projection bias, which the decoder does not
+# implement, for llama alone: such a file is refused here by the bias's name.
+_GGUF_ARCH_NAMES = {
+    "llama": (_GGUF_QKV_BIAS_NAMES, {"rope_freqs.weight": "rope_freqs"}),
+    "qwen2": (_GGUF_QKV_BIAS_NAMES, {}),
+    "qwen3": ({**_GGUF_QKV_BIAS_NAMES, "attn_q_norm.weight": "self_attn.q_norm.weight",
+               "attn_k_norm.weight": "self_attn.k_norm.weight"}, {}),
 }
 
 
@@ -136,7 +150,14 @@ def read_gguf_config(head: GGUFHeader) -> ModelConfig:
 
 def _gguf_rope_scaling(head: GGUFHeader, arch: str) -> dict | None:
     """llama.cpp's reading: type "linear" unless named, factor from ``rope.scaling.factor`` (or the older
-    ``rope.scale_linear``), where 0 or absent means 1 (no scaling)."""
+    ``rope.scale_linear``), where 0 or absent means 1 (no scaling).
+
+    Llama 3.1+'s "llama3" scaling names no type here: llama.cpp's converter stores it as the ``rope_freqs``
+    tensor (per-frequency divisors, applied by the decoder, :func:`zoomr.backends.torch.rope.inv_frequencies`).
+
+    Raises:
+        ModelLoadError: a named type other than none/linear (yarn, longrope: not implemented here).
+    """
     kind = head.get(f"{arch}.rope.scaling.type", "linear")
     factor = gguf_float(head, f"{arch}.rope.scaling.factor") or gguf_float(head, f"{arch}.rope.scale_linear") or 1.0
     if kind == "none" or factor == 1.0:
@@ -147,11 +168,13 @@ def _gguf_rope_scaling(head: GGUFHeader, arch: str) -> dict | None:
     return {"rope_type": "linear", "factor": factor}
 
 
-def _gguf_names(n_layers: int) -> dict[str, str]:
-    """GGUF tensor name → HF name, for every tensor the decoder may read."""
-    names = dict(_GGUF_GLOBAL_NAMES)
-    for i in range(n_layers):
-        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{hf}" for g, hf in _GGUF_LAYER_NAMES.items()})
+def _gguf_names(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name → HF name, for every tensor the decoder may read from a file of ``cfg.arch``."""
+    extra_layer, extra_global = _GGUF_ARCH_NAMES[cfg.arch]
+    layer = {**_GGUF_LAYER_NAMES, **extra_layer}
+    names = {**_GGUF_GLOBAL_NAMES, **extra_global}
+    for i in range(cfg.n_layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{hf}" for g, hf in layer.items()})
     return names
 
 
@@ -164,8 +187,10 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
 
     Args:
         path: GGUF file.
-        keep_blocks: return 2-D Q4_0/Q4_1/Q8_0 tensors as their exact codes and scales
-            (:func:`zoomr.backends.torch.quant.from_gguf_blocks`) instead of dequantizing them.
+        keep_blocks: return 2-D tensors of the block types the int kernels hold (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+            Q4_K, Q5_K, Q6_K: :data:`zoomr.backends.torch.quant.GGUF_BLOCK_TYPES`) as their exact codes and
+            scales (:func:`zoomr.backends.torch.quant.from_gguf_blocks`) instead of dequantizing them; other
+            types (F16, Q2_K, Q3_K …) are dequantized.
     Returns:
         (config, tensors under HF names: float32 arrays, or :class:`GroupQuant` where blocks are kept,
         metadata dict with ``chat_template``).
@@ -177,7 +202,7 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
 
     head = check_gguf(path)
     cfg = read_gguf_config(head)
-    to_hf = _gguf_names(cfg.n_layers)
+    to_hf = _gguf_names(cfg)
     named = {}
     for t in head.tensors:
         if t.name not in to_hf:  # llama.cpp refuses a file with tensors its architecture does not have, too

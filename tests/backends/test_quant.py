@@ -8,36 +8,50 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import assert_one_line_error, zoomr
 from zoomr.backends.torch import dtype_probe
 from zoomr.backends.torch.engine import resolve_quant
 from zoomr.backends.torch.quant import (GROUP, DenseLinear, Fp16Linear, GroupQuant, Int4Linear, Int8Linear,
-                                        QuantEmbedding, check_quant, fp16_gemm_available, from_gguf_blocks,
-                                        make_linear, quantize_int4)
+                                        QuantEmbedding, StackedLinear, check_quant, fp16_gemm_available,
+                                        from_gguf_blocks, kernel_planes, make_linear, quantize_int4,
+                                        regroup_to_32)
 
 CPU = torch.device("cpu")
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# byte offsets of each block's fp16 fields (d, m / dmin); every other byte is codes or integer scales
+FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+           "Q5_K": (0, 2), "Q6_K": (208,)}
+EXACT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"]  # Q6_K runs regrouped (nearest)
 
 
 def random_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
-    """[rows, blocks · size] uint8 of valid blocks: random codes, fp16 scales/minima of mixed sign and size."""
+    """[rows, blocks · size] uint8 of valid blocks: random codes and integer scales, fp16 fields of mixed sign
+    and size (finite values, not random bit patterns)."""
     rng = np.random.default_rng(seed)
     size = BLOCK_BYTES[type_name]
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
-    halves = 2 if type_name == "Q4_1" else 1  # d (and m) as finite fp16 values, not random bit patterns
-    vals = (rng.standard_normal((rows, blocks, halves)) * 10.0 ** rng.uniform(-4, -1, (rows, blocks, 1)))
-    raw[..., :2 * halves] = vals.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2 * halves)
+    for at in FP16_AT[type_name]:
+        vals = rng.standard_normal((rows, blocks, 1)) * 10.0 ** rng.uniform(-4, -1, (rows, blocks, 1))
+        raw[..., at:at + 2] = vals.astype(np.float16).view(np.uint8)
     return raw.reshape(rows, blocks * size)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
-def test_blocks_decode_exactly_as_gguf_dequantizes(type_name):
-    raw = random_blocks(type_name, rows=7, blocks=5)
+@pytest.mark.parametrize("type_name", list(BLOCK_BYTES))
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 9), blocks=st.integers(1, 3))
+def test_blocks_decode_exactly_as_gguf_dequantizes(type_name, seed, rows, blocks):
+    raw = random_blocks(type_name, rows=rows, blocks=blocks, seed=seed)
     q = from_gguf_blocks(raw, type_name)
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    assert q.shape == (7, 5 * GROUP) and q.group == GROUP
+    per_block = 256 if type_name.endswith("_K") else GROUP
+    assert q.shape == (rows, blocks * per_block) and q.group == (16 if type_name == "Q6_K" else GROUP)
+    assert q.codes.min() >= (0 if q.bits == 4 else -128) and q.codes.max() <= (15 if q.bits == 4 else 127)
     np.testing.assert_array_equal(q.dequantize(), ref)
+    # the embedding lookup reads the same codes: its rows are the file's too
+    np.testing.assert_array_equal(QuantEmbedding(q, CPU)[torch.arange(rows)].numpy(), ref)
 
 
 def test_embedded_model_blocks_decode_exactly(gguf_weights, embedded_path):
@@ -58,11 +72,13 @@ def linear_inputs(K: int, T: int, seed: int = 1) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).standard_normal((T, K)).astype(np.float32))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", EXACT_TYPES)
 @pytest.mark.parametrize("rows", [48, 37])  # 37: not a multiple of the kernel's 16-row tiles (padded)
 def test_int4_kernel_equals_dequantized_matmul_fp32(type_name, rows):
-    """fp32 activations hold the scales exactly: the kernel's result is the fp32 matmul of the file's weights."""
-    q = from_gguf_blocks(random_blocks(type_name, rows=rows, blocks=6, seed=rows), type_name)
+    """fp32 activations hold the scales exactly: the kernel's result is the fp32 matmul of the file's weights
+    (one plane for 4-bit codes, two for 5- and 8-bit ones, whose group zero is counted once)."""
+    blocks = 1 if type_name.endswith("_K") else 6
+    q = from_gguf_blocks(random_blocks(type_name, rows=rows, blocks=blocks, seed=rows), type_name)
     bias = np.random.default_rng(2).standard_normal(rows).astype(np.float32)
     lin = Int4Linear(q, bias, CPU, torch.float32)
     x = linear_inputs(q.shape[1], T=5)
@@ -73,9 +89,74 @@ def test_int4_kernel_equals_dequantized_matmul_fp32(type_name, rows):
     np.testing.assert_allclose(got.double().numpy(), ref.numpy(), atol=2e-6 * scale, rtol=0)
 
 
-def test_int4_kernel_bf16_within_bf16_rounding():
+def test_two_plane_zeros_carry_the_minimum_past_bf16_rounding():
+    """Q5_1/Q5_K minima are ~16 steps: the hi plane holds the minimum rounded to bf16, the lo plane's zero the
+    remainder, so the kernel's two bf16 zeros sum to the group's zero within bf16 rounding of 8·s, not of the
+    minimum; in fp32 the planes' zeros are the file's values."""
+    rng = np.random.default_rng(14)
+    d = (np.abs(rng.standard_normal((40, 6))) * 1e-3).astype(np.float16).astype(np.float32)
+    m = (-15.5 * d * (1 + 0.1 * rng.standard_normal(d.shape))).astype(np.float16).astype(np.float32)
+    q = GroupQuant(rng.integers(0, 32, (40, 6 * GROUP)).astype(np.int16), d, m, GROUP, 8, "Q5_1")
+    (_, _, z_hi), (_, _, z_lo) = kernel_planes(q, torch.bfloat16)
+    bf = lambda a: torch.from_numpy(a).bfloat16().double().numpy()   # what the kernel holds
+    total = bf(z_hi) + bf(z_lo)                                      # the group's kernel zero: m + 8·s
+    assert (np.abs(total - (m + 8.0 * d)) <= 8 * d * 2.0 ** -8).all()
+    assert (np.abs(bf(m) - m) > 8 * d * 2.0 ** -8).any()             # rounding m alone would miss that bound
+    (_, _, z32), (_, _, l32) = kernel_planes(q, torch.float32)
+    np.testing.assert_array_equal(z32, m)
+    np.testing.assert_array_equal(l32, 8.0 * d)
+
+
+def test_q6k_regrouped_is_nearest_within_an_eighth_of_a_step():
+    """Q6_K's 16-groups as 32-groups: the larger-scaled sub-block exact, the other within half the new step
+    (an eighth of the larger Q6_K step), each weight the nearest the group's grid holds; the kernel then runs
+    the regrouped values exactly."""
+    q6 = from_gguf_blocks(random_blocks("Q6_K", rows=37, blocks=2, seed=11), "Q6_K")
+    q = regroup_to_32(q6)
+    assert (q.group, q.bits, q.source) == (GROUP, 8, "Q6_K regrouped")
+    w6, w = q6.dequantize().reshape(37, -1, 2, 16), q.dequantize().reshape(37, -1, 2, 16)
+    sub = np.abs(q6.scale).reshape(37, -1, 2)
+    larger = sub[..., 0] >= sub[..., 1]
+    step = np.abs(q.scale)[..., None]                                     # [rows, groups, 1]
+    err = np.abs(w - w6)
+    kept = np.where(larger[..., None], err[:, :, 0], err[:, :, 1])
+    other = np.where(larger[..., None], err[:, :, 1], err[:, :, 0])
+    np.testing.assert_array_equal(kept, 0)
+    assert (other <= step / 2 * (1 + 1e-6)).all() and other.max() > 0
+    np.testing.assert_array_equal(step[..., 0], sub.max(-1) / 4)  # a quarter of the larger Q6_K step d·sc
+    x = linear_inputs(q.shape[1], T=3)
+    ref = F.linear(x.double(), torch.from_numpy(q.dequantize()).double())
+    got = make_linear([q6], None, "auto", CPU, torch.float32)(x).double()
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), atol=2e-6 * float(ref.abs().max()), rtol=0)
+
+
+def test_fused_parts_of_mixed_types_run_as_one_weight():
+    """A Q4_K_M file's fused linears: parts of one plane count share a call (Q5_0 Q/K with a Q8_0 V), mixed ones
+    run a call per run (Q4_K Q/K with a Q6_K V); either way the output is the stacked weights' matmul, bias
+    split with the rows."""
+    def part(t, rows, seed):  # K = 256: one super-block, or 8 legacy blocks
+        return from_gguf_blocks(random_blocks(t, rows, 1 if t.endswith("_K") else 8, seed=seed), t)
+    rng = np.random.default_rng(12)
+    for types, n_calls in ((["Q5_0", "Q5_0", "Q8_0"], 1), (["Q4_K", "Q4_K", "Q6_K"], 2),
+                           (["Q4_K", "Q6_K", "Q4_1", "Q5_K"], 4)):
+        parts = [part(t, r, seed=i) for i, (t, r) in enumerate(zip(types, (48, 16, 21, 8)))]
+        bias = rng.standard_normal(sum(p.shape[0] for p in parts)).astype(np.float32)
+        lin = make_linear(parts, bias, "auto", CPU, torch.float32)
+        assert (isinstance(lin, StackedLinear) and len(lin.parts) == n_calls) or (n_calls == 1 and
+                                                                                  isinstance(lin, Int4Linear))
+        w = np.concatenate([regroup_to_32(p).dequantize() if p.group != GROUP else p.dequantize() for p in parts])
+        x = linear_inputs(w.shape[1], T=4, seed=13)
+        ref = F.linear(x.double(), torch.from_numpy(w).double(), torch.from_numpy(bias).double())
+        np.testing.assert_allclose(lin(x).double().numpy(), ref.numpy(), atol=2e-6 * float(ref.abs().max()), rtol=0)
+        forms = {"Q4_K": "int4 (Q4_K)", "Q4_1": "int4 (Q4_1)", "Q6_K": "int4×2 (Q6_K regrouped)"}
+        assert set(lin.kind.split("/")) == {forms.get(t, f"int4×2 ({t})") for t in types}
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1", "Q5_K", "Q8_0"])
+def test_int4_kernel_bf16_within_bf16_rounding(type_name):
     """bf16: scales and zeros are rounded to bf16 (the kernel's dtype); the error is that of bf16 weights."""
-    q = from_gguf_blocks(random_blocks("Q4_1", rows=64, blocks=18, seed=3), "Q4_1")
+    blocks = 2 if type_name.endswith("_K") else 18
+    q = from_gguf_blocks(random_blocks(type_name, rows=64, blocks=blocks, seed=3), type_name)
     x = linear_inputs(q.shape[1], T=3)
     ref = F.linear(x.double(), torch.from_numpy(q.dequantize()).double())
     got = Int4Linear(q, None, CPU, torch.bfloat16)(x.bfloat16()).double()
@@ -200,7 +281,7 @@ def test_quantized_decoder_close_to_dense(embedded_path):
         cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, CPU, torch.float32)
         out[quant] = dec.forward(ids, torch.arange(len(ids)), cache, all_logits=True).numpy()
         if quant == "auto":
-            assert dec.weight_summary() == "int4 (Q4_1), head int4 (Q8_0)"
+            assert dec.weight_summary() == "int4 (Q4_1), head int4×2 (Q8_0)"
     np.testing.assert_allclose(out["auto"], out["none"], atol=2e-3, rtol=0)
 
 
@@ -216,7 +297,7 @@ def test_half_precision_head_gives_exact_top_logits(embedded_path):
     dec = Decoder(cfg, kept, CPU, torch.bfloat16, quant="auto")
     head = dec.lm_head
     assert isinstance(head, ExactTopHead) and head.table is dec.embed
-    assert dec.weight_summary() == f"int4 (Q4_1), head int4 (Q8_0), top-{EXACT_TOP_K} exact"
+    assert dec.weight_summary() == f"int4 (Q4_1), head int4×2 (Q8_0), top-{EXACT_TOP_K} exact"
     h = linear_inputs(cfg.hidden, 3, seed=9)
     h = h / h.norm(dim=-1, keepdim=True) * 20.0  # hidden states of a final-norm's size: logits of tens
     w = torch.from_numpy(kept["model.embed_tokens.weight"].dequantize())

@@ -42,8 +42,8 @@ _OPTION_DECLS = {
     "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16 on CUDA; on CPU bf16 or fp16, "
                                 "whichever this machine runs faster, measured once), fp32, bf16, fp16.",
                                 rich_help_panel=PANEL_MODEL)),
-    "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept as int4, "
-                                "exact; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), "
+    "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K "
+                                "blocks kept in the int4 kernel, exact; Q6_K regrouped to 32; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), "
                                 "fp16 (fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact "
                                 "forms; refuses a half --dtype).",
                                 rich_help_panel=PANEL_MODEL)),
