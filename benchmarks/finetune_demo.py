@@ -22,6 +22,9 @@ cell): ``--resume`` continues it, ``--report-only`` summarizes what is there.
 
     python benchmarks/finetune_demo.py FINETUNED_DIR [-m BASE] [-k 50] [-np 8] [-n 256] [-t 2] [--dtype fp32]
         [--window 128] [--out demo_out] [--resume] [--report-only] [--json out.json|-]
+
+The untied demo (issue 28) runs it on a fine-tune of ``benchmarks/untie_model.py``'s untied copy of the
+embedded model, with that copy as ``-m BASE`` (README "Fine-tuning" has the commands).
 """
 
 from __future__ import annotations

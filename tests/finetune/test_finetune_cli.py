@@ -80,3 +80,69 @@ def test_existing_out_needs_resume_or_force(tmp_path):
     r = run(tmp_path, str(data), "--out", str(out), "--resume")
     assert_one_line_error(r)
     assert "nothing to resume" in r.stderr
+
+
+def _model_with_delimiters(tmp_path, hf_tokenizer_dir, order, value=None):
+    """A tiny random untied Llama HF directory whose tokenizer (the embedded model's, converted) already has
+    the delimiters, appended in ``order``; ``value``: fill the delimiters' embedding and head rows with it."""
+    import shutil
+
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path / "model"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=49154, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    if value is not None:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[49152:] = value
+            model.lm_head.weight[49152:] = value
+    model.save_pretrained(d)
+    tok = Tokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in order])
+    tok.save(str(d / "tokenizer.json"))
+    shutil.copy(hf_tokenizer_dir / "tokenizer_config.json", d)
+    return d
+
+
+def _augmented(tmp_path):
+    from zoomr.finetune.augment import augment_trace
+    from traces import TRACES
+
+    aug = tmp_path / "aug.jsonl"
+    aug.write_text(json.dumps(augment_trace(0, *TRACES[0], lambda ps: [""] * len(ps)).to_json()) + "\n")
+    return aug
+
+
+def test_delimiters_at_other_ids_are_refused_before_out_is_written(tmp_path, hf_tokenizer_dir):
+    from zoomr.kvstore.segments import BEGIN, END
+
+    model = _model_with_delimiters(tmp_path, hf_tokenizer_dir, (END, BEGIN))   # end first: ids swapped
+    r = run(tmp_path, "--augmented", str(_augmented(tmp_path)), "-m", str(model), "--out", str(tmp_path / "out"))
+    assert_one_line_error(r)
+    assert f"already has {BEGIN} as id 49153, but zoomr gives it id 49152" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_delimiters_at_zoomrs_ids_are_reused(tmp_path, hf_tokenizer_dir):
+    """A model fine-tuned before: same ids in the exported tokenizer, and its delimiter rows are trained on,
+    not started over from related text (one step at --token-lr 1e-2 moves an element by about 0.01)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from zoomr.backends.tokenizer import HFTokenizer
+    from zoomr.kvstore.segments import BEGIN, END
+
+    model = _model_with_delimiters(tmp_path, hf_tokenizer_dir, (BEGIN, END), value=0.5)
+    out = tmp_path / "out"
+    r = run(tmp_path, "--augmented", str(_augmented(tmp_path)), "-m", str(model), "--out", str(out),
+            "--seq-len", "512", "--rank", "4", "--batch", "1", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    tok = HFTokenizer(out)
+    assert [tok.control_tokens[d].id for d in (BEGIN, END)] == [49152, 49153] and tok.vocab_size == 49154
+    w = load_file(str(out / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert w[name].shape[0] == 49154
+        assert np.abs(w[name][49152:] - 0.5).max() < 0.05

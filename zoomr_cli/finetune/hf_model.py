@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from zoomr.backends.hf_tokenizer import add_special_tokens_to_dir, write_hf_tokenizer
+from zoomr.backends.hf_tokenizer import add_special_tokens_to_dir, read_gguf_vocab, write_hf_tokenizer
 from zoomr.backends.models import ModelLoadError, ModelSource, resolve_model
 from zoomr.backends.tokenizer import HFTokenizer
 from zoomr.backends.torch.config import ModelConfig
@@ -21,9 +21,10 @@ from zoomr.errors import UserError
 from zoomr.kvstore.segments import BEGIN, END
 
 DELIMITERS = (BEGIN, END)
-# Starting point of each new delimiter row: the mean of the embedding rows of a short text that means what
-# the token means, so that from step 0 the (tied) LM head scores the delimiter like that text's tokens at
-# the places the text would go, instead of the vocabulary mean, which no context predicts. Begin opens a
+# Starting point of each new delimiter row: the mean of the rows of a short text that means what the token
+# means (in the embedding, and in an untied head its own head rows), so that from step 0 the LM head scores
+# the delimiter like that text's tokens at the places the text would go, instead of the vocabulary mean,
+# which no context predicts. Begin opens a
 # summary after a paragraph: "\n\nSummary:" (a paragraph break, then the usual label of a summary). End
 # closes it and hands back to the reasoning, which goes on with a new paragraph: "\n\n".
 DELIMITER_INIT_TEXTS = {BEGIN: "\n\nSummary:", END: "\n\n"}
@@ -83,10 +84,51 @@ def delimiter_ids(tok: HFTokenizer) -> list[int]:
     return [tok.control_tokens[d].id for d in DELIMITERS]
 
 
-def delimiter_init(tok: HFTokenizer) -> dict[int, list[int]]:
+def existing_delimiters(src: ModelSource) -> dict[str, int]:
+    """{delimiter: id} of the :data:`DELIMITERS` that the tokenizer of ``src`` already has (a model fine-tuned
+    by zoomr before); {} for a model that has none, or a HF directory without ``tokenizer.json`` (refused
+    later by :func:`write_tokenizer`).
+
+    zoomr gives the delimiters the two ids after all other tokens, begin then end (:func:`write_tokenizer`
+    appends them). One already there must sit at that id: then it is reused, id and trained rows alike
+    (:func:`delimiter_init` leaves its rows as the model has them). At another id, the model's rows for it
+    mean something zoomr did not train, and the exported tokenizer would disagree with how zoomr numbers
+    them, so it is refused.
+
+    Raises:
+        UserError: a delimiter at another id (one line, naming both ids), or a tokenizer that cannot be read.
+    """
+    try:
+        if src.kind == "gguf":
+            tokens = read_gguf_vocab(src.path).tokens
+            size, found = len(tokens), {t: i for i, t in enumerate(tokens) if t in DELIMITERS}
+        else:
+            from tokenizers import Tokenizer
+
+            if not (src.path / "tokenizer.json").is_file():
+                return {}
+            hf = Tokenizer.from_file(str(src.path / "tokenizer.json"))
+            size = hf.get_vocab_size(with_added_tokens=True)
+            found = {d: hf.token_to_id(d) for d in DELIMITERS if hf.token_to_id(d) is not None}
+    except ModelLoadError as e:
+        raise UserError(str(e)) from None
+    except Exception as e:  # tokenizers raises a plain Exception for a malformed tokenizer.json
+        raise UserError(f"{src.path}: cannot read tokenizer.json ({e})") from None
+    others = size - len(found)
+    for k, d in enumerate(DELIMITERS):
+        if d in found and found[d] != others + k:
+            raise UserError(f"-m {src.name}: its tokenizer already has {d} as id {found[d]}, but zoomr gives it id "
+                            f"{others + k} (after the other {others} tokens, begin then end); give the model "
+                            "without these tokens")
+    return found
+
+
+def delimiter_init(tok: HFTokenizer, existing: dict[str, int] | None = None) -> dict[int, list[int]]:
     """{delimiter id: ids of the existing tokens whose mean embedding row it starts from}
-    (:data:`DELIMITER_INIT_TEXTS` tokenized as plain text)."""
-    return {tok.control_tokens[d].id: tok.encode(text, special=False) for d, text in DELIMITER_INIT_TEXTS.items()}
+    (:data:`DELIMITER_INIT_TEXTS` tokenized as plain text); the delimiters in ``existing`` (see
+    :func:`existing_delimiters`) are left out: their rows are the model's own."""
+    return {tok.control_tokens[d].id: tok.encode(text, special=False) for d, text in DELIMITER_INIT_TEXTS.items()
+            if d not in (existing or {})}
 
 
 def transformers_model(cfg: ModelConfig, tensors: dict, vocab: int, init_rows: dict[int, list[int]] | None = None):

@@ -183,7 +183,8 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     """
     from .data import encode_example
     from .export import export_merged, model_card, plot_losses
-    from .hf_model import delimiter_ids, delimiter_init, load_weights, transformers_model, write_tokenizer
+    from .hf_model import (delimiter_ids, delimiter_init, existing_delimiters, load_weights, transformers_model,
+                           write_tokenizer)
     from .train import Trainer, disk_full, peft_model
 
     cfg.train.validate()
@@ -192,6 +193,7 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     # bad input is refused before anything is loaded or written
     device = pick_device(cfg.device)
     check_model("-m", cfg.model)
+    existing = existing_delimiters(resolve_model(cfg.model))
     if cfg.augmented is None:
         read_traces(cfg.data, cfg.limit)
         check_model("--summarizer", cfg.summarizer)
@@ -217,7 +219,8 @@ def run_finetune(cfg: FinetuneConfig, on_event: Event = lambda kind, info: None)
     transformers.logging.set_verbosity_error()
     # peft asks transformers a deprecated question on every forward; the answer is right, the warning noise
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size, delimiter_init(tok)), cfg.train, delimiter_ids(tok))
+    model = peft_model(transformers_model(mcfg, tensors, tok.vocab_size, delimiter_init(tok, existing)), cfg.train,
+                       delimiter_ids(tok))
     del tensors
     pad = tok.eos_ids and min(tok.eos_ids) or 0
     trainer = Trainer(model, examples, cfg.train, pad, cfg.out / "checkpoints", device)

@@ -1,9 +1,10 @@
 """LoRA fine-tuning with checkpoints (ZoomR §3.2: "We then fine-tune a base reasoning model with LoRA").
 
-LoRA adapters (peft) on every attention and MLP projection; the two delimiter rows of the embedding (and
-of a tied LM head) are trained too, through peft's ``trainable_token_indices``, since the base model has
-never seen those tokens. Batches are a pure function of (step, seed), and dropout is seeded per step, so a
-run resumed from a checkpoint takes the same batches as one that never stopped.
+LoRA adapters (peft) on every attention and MLP projection; the two delimiter rows of the embedding and of
+the LM head (one shared matrix when tied, two when untied) are trained too, through peft's
+``trainable_token_indices``, since the base model has never seen those tokens. Batches are a pure function
+of (step, seed), and dropout is seeded per step, so a run resumed from a checkpoint takes the same batches
+as one that never stopped.
 
 A checkpoint (``checkpoints/step-NNNNNN/``: adapter + trainable-token weights as safetensors, optimizer
 state as safetensors + JSON (no pickle anywhere), ``state.json`` with the step and the losses so far) is written into a temporary directory and
@@ -113,8 +114,23 @@ def disk_full(e: BaseException) -> bool:
     return any(f"os error {n})" in str(e) for n in _FULL_DISK)
 
 
+def token_modules(model, token_ids: list[int]) -> dict[str, list[int]]:
+    """peft's ``trainable_token_indices`` for ``model``: the ``token_ids`` rows of the input embedding and of
+    the LM head, under their module names ({"embed_tokens": ids, "lm_head": ids} for Llama/Qwen2).
+
+    Both are named for every model. An untied head needs its own rows trained: a new token's head row is
+    what makes the model predict it, and LoRA adapts no head. For a tied model peft sees the head share the
+    embedding's weight with the same ids, wraps the embedding only and ties the head to that wrapper (peft
+    ``utils/other.py``, ``_set_trainable`` with ``tied_adapter``), so one delta serves both.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    mods = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return {names[id(m)].rsplit(".", 1)[-1]: list(token_ids) for m in mods if m is not None}
+
+
 def peft_model(model, cfg: TrainConfig, token_ids: list[int]):
-    """``model`` wrapped with LoRA adapters and the ``token_ids`` embedding rows trainable.
+    """``model`` wrapped with LoRA adapters and the ``token_ids`` rows of its embedding and LM head trainable
+    (:func:`token_modules`).
 
     Raises:
         UserError: peft (the ``finetune`` extra) is missing or cannot adapt this model.
@@ -124,7 +140,7 @@ def peft_model(model, cfg: TrainConfig, token_ids: list[int]):
     except ImportError:
         raise UserError("zoomr finetune needs the finetune extra: pip install 'zoomr[finetune]'") from None
     conf = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(LORA_TARGETS),
-                      trainable_token_indices={"embed_tokens": list(token_ids)}, task_type="CAUSAL_LM")
+                      trainable_token_indices=token_modules(model, token_ids), task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, conf)
     except (ValueError, TypeError, KeyError) as e:
