@@ -366,10 +366,24 @@ def _check_complete(cfg: ModelConfig, tensors: dict, where: str) -> None:
     check_shapes(cfg, {n: a.shape for n, a in tensors.items()}, where)
 
 
+def rope_freqs_trivial(tensors: dict) -> bool:
+    """True when ``tensors`` hold no GGUF ``rope_freqs`` divisors, or only ones (plain RoPE)."""
+    freqs = tensors.get("rope_freqs")
+    return freqs is None or bool(np.all(np.asarray(freqs) == 1.0))
+
+
 def write_hf_dir(cfg: ModelConfig, tensors: dict[str, np.ndarray], out: Path) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (float32) that :func:`load_hf_dir` reads back."""
+    """Write ``config.json`` + ``model.safetensors`` (float32) that :func:`load_hf_dir` reads back.
+
+    Raises:
+        ValueError: ``rope_freqs`` divisors other than 1 (a Llama 3.1+ GGUF): a HF config names its RoPE
+            scaling by parameters, not divisors, so the directory would run with plain RoPE.
+    """
     from safetensors.numpy import save_file
 
+    if not rope_freqs_trivial(tensors):
+        raise ValueError("rope_freqs divisors (Llama 3.1+ RoPE scaling from a GGUF) cannot be written to a HF "
+                         "directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items() if k != "rope_freqs"},

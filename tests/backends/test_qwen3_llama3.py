@@ -288,3 +288,18 @@ def test_qwen3_compiled_decode_follows_eager(qwen3):
     # fused kernels round bf16 differently: agreement to bf16's resolution on logits of a few units
     assert np.abs(got - eager).max() < 0.1
     assert (got.argmax(-1) == eager.argmax(-1)).mean() >= 0.9
+
+
+def test_a_rope_freqs_gguf_is_not_exported_or_fine_tuned_with_plain_rope(llama3, tmp_path):
+    """A HF directory cannot carry rope_freqs divisors: writing one (finetune's export, untie_model.py) and
+    fine-tuning a Llama 3.1+ GGUF are refused rather than run with plain RoPE afterwards."""
+    from zoomr.errors import UserError
+    from zoomr.finetune.hf_model import load_weights
+
+    cfg, tensors, _ = load_gguf(llama3)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        write_hf_dir(cfg, tensors, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError, match="rope_freqs"):
+        load_weights(str(llama3))
+    write_hf_dir(cfg, {**tensors, "rope_freqs": np.ones_like(tensors["rope_freqs"])}, tmp_path / "plain")

@@ -37,15 +37,20 @@ def load_weights(model: str | None) -> tuple[ModelSource, ModelConfig, dict]:
     """``-m MODEL`` resolved and read: (source, configuration, float32 numpy tensors under HF names).
 
     Raises:
-        UserError: the model is missing, corrupt or of an architecture zoomr's torch backend cannot run.
+        UserError: the model is missing, corrupt or of an architecture zoomr's torch backend cannot run, or a
+            GGUF carries RoPE frequency divisors (``rope_freqs``: Llama 3.1+), which the exported HF directory
+            cannot express.
     """
-    from zoomr.backends.torch.weights import load_gguf, load_hf_dir
+    from zoomr.backends.torch.weights import load_gguf, load_hf_dir, rope_freqs_trivial
 
     try:
         src = resolve_model(model)
         cfg, tensors, _ = load_gguf(src.path) if src.kind == "gguf" else load_hf_dir(src.path)
     except ValueError as e:
         raise UserError(f"-m {model or 'default'}: {e}") from None
+    if not rope_freqs_trivial(tensors):
+        raise UserError(f"-m {model}: this GGUF scales RoPE by per-frequency divisors (rope_freqs, Llama 3.1+), "
+                        "which a fine-tuned HF directory cannot carry; fine-tune the model's HF directory instead")
     return src, cfg, tensors
 
 
