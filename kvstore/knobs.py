@@ -79,7 +79,8 @@ def segment_tokens_knob(default: int, source: str) -> Any:
     two recomputes in any mode (tokens, ≥ 1; :class:`zoomr.kvstore.segments.RecomputeClock`)."""
     return knob(default, "longest segment when the model writes no summaries: blocks close at a paragraph end "
                 "from a third of it, else are cut at a sentence or line end by this length; also the most "
-                "tokens between two recomputes (tokens)", minimum=1,
+                "tokens between two recomputes; a summary the model writes must close within 4× it, else blocks are "
+                "cut (tokens)", minimum=1,
                 tokens=True, source=source)
 
 

@@ -46,7 +46,9 @@ def policy_line(kv: KVStats) -> str | None:
     if "summaries_mode" in x:
         ran = x["summaries_mode"]
         parts.append(f"summaries: {ran} (--summaries {x['summaries_option']})")
-        parts.append(f"{count(x['segments'], 'segment')} · {count(x['recomputes'], 'recompute')}")
+        cut = f" ({x['summaries_written']} summarized, {x['segments_cut_auto']} cut as auto)" \
+            if x.get("segments_cut_auto") and x.get("summaries_written") is not None else ""
+        parts.append(f"{count(x['segments'], 'segment')}{cut} · {count(x['recomputes'], 'recompute')}")
     if x.get("ag_mean") is not None:
         parts.append(f"AG {x['ag_mean']:.3f} ± {x['ag_std']:.3f}")
     parts.append(f"active mean {kv.mean_active_tokens:.0f} / peak {kv.peak_active_tokens} tok "
