@@ -9,6 +9,9 @@ from zoomr.backends.models import model_warning, short_repr
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # RoPE scalings the decoder implements (backends/torch/rope.py); None = plain RoPE
 ROPE_SCALINGS = (None, "default", "linear", "llama3")
+# the parameters each scaling cannot do without (transformers' rope init functions read them with no default)
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 # transformers' documented defaults (LlamaConfig, Qwen2Config) for keys a config.json may omit; the
 # qwen2/qwen3 RoPE base is left out on purpose: transformers' 10000 is not what any Qwen2 or Qwen3 was trained with
 HF_RMS_EPS_DEFAULT = 1e-6
@@ -93,7 +96,7 @@ class ModelConfig:
 
         Raises:
             ValueError: heads that do not split into KV groups, an odd or empty head size, a RoPE scaling
-                the decoder does not implement.
+                the decoder does not implement or without one of its parameters (:data:`ROPE_SCALING_KEYS`).
         """
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.n_heads} attention heads do not split into groups of {self.n_kv_heads} KV heads")
@@ -103,6 +106,11 @@ class ModelConfig:
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"RoPE scaling {short_repr(kind)} is not implemented by the torch backend "
                              f"(supported: {', '.join(k for k in ROPE_SCALINGS if k)})")
+        for key in ROPE_SCALING_KEYS.get(kind, ()):
+            v = self.rope_scaling.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                # transformers reads these without defaults: a guess would change every long-range logit
+                raise ValueError(f"RoPE scaling {kind!r} needs {key} (a number > 0), got {short_repr(v)}")
 
     def tensor_shapes(self) -> dict[str, tuple[tuple[int, ...], bool]]:
         """Every tensor the decoder may read, by HF name: (shape [out, in] as in torch, required).
