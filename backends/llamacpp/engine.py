@@ -85,12 +85,13 @@ def check_kv_fits(kv_cells: int, bytes_per_cell: int, cap: int, on_gpu: bool) ->
 def cache_words(kv_cells: int, max_sequences: int, unified: bool) -> str:
     """The KV cache of :meth:`LlamaCppBackend.describe` in plain words: cells (one token's K and V each) and
     the room kept for forks (the candidates KV-Rescue forks from the sequence), in one pool or one stream each."""
-    size, forks = f"KV cache {kv_cells} cells (tokens)", max_sequences - 1
-    if not forks:
+    size, n = f"KV cache {kv_cells} cells (tokens)", max_sequences - 1
+    if not n:
         return f"{size}, no room for forks"
+    forks = "1 fork" if n == 1 else f"{n} forks"
     if unified:
-        return f"{size}, shared with up to {forks} forks (KV-Rescue candidates)"
-    return (f"{size}: {kv_cells // max_sequences} for the sequence and for each of up to {forks} forks "
+        return f"{size}, shared with up to {forks} (KV-Rescue candidates)"
+    return (f"{size}: {kv_cells // max_sequences} for the sequence and for each of up to {forks} "
             "(KV-Rescue candidates)")
 
 
