@@ -147,3 +147,12 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float, low_freq_facto
             s = (original_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
             out.append(1 / ((1 - s) / factor + s))
     return np.array(out, np.float32)
+
+
+def hf_dir_from_gguf(gguf_path: Path, out: Path) -> Path:
+    """``out`` written as the HF directory of the GGUF model ``gguf_path`` (zoomr's reader, then writer)."""
+    from zoomr.backends.torch.weights import load_gguf, write_hf_dir
+
+    cfg, weights, _ = load_gguf(gguf_path)
+    write_hf_dir(cfg, weights, out)
+    return out

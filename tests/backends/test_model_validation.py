@@ -29,7 +29,7 @@ from zoomr.backends.models import HF_FILE_PATTERNS, ModelLoadError
 from zoomr.backends.torch.weights import load_gguf, load_hf_dir, write_hf_dir
 
 from conftest import ENV, ROOT, assert_one_line_error, zoomr
-from gguf_tiny import write_tiny_gguf
+from gguf_tiny import hf_dir_from_gguf, write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
@@ -241,10 +241,7 @@ def test_llamacpp_load_checks_first(tmp_path, embedded_path, tiny):
 
 @pytest.fixture(scope="module")
 def hf_tiny(tiny, tmp_path_factory) -> Path:
-    cfg, tensors, _ = load_gguf(tiny)
-    out = tmp_path_factory.mktemp("hf")
-    write_hf_dir(cfg, tensors, out)
-    return out
+    return hf_dir_from_gguf(tiny, tmp_path_factory.mktemp("hf"))
 
 
 def hf_variant(src: Path, dst: Path, edit=None, drop=(), tensors=None) -> Path:

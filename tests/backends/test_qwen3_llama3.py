@@ -29,7 +29,7 @@ from zoomr.evaluation.parity import agreement, llamacpp_logits
 from zoomr.kvstore.base import FullKVCache
 
 from conftest import assert_one_line_error, zoomr
-from gguf_tiny import N_TOKENS, QWEN3_HEAD, llama3_rope_freqs, write_tiny_gguf
+from gguf_tiny import N_TOKENS, QWEN3_HEAD, hf_dir_from_gguf, llama3_rope_freqs, write_tiny_gguf
 
 N = 512  # teacher-forced positions, far past the llama3 file's original context of 32
 IDS = [int(i) for i in np.random.default_rng(1).integers(3, N_TOKENS, size=N)]
@@ -167,10 +167,7 @@ def test_gguf_rope_scaling_the_decoder_lacks_is_refused(tmp_path, embedded_path,
 
 @pytest.fixture(scope="module")
 def qwen3_hf(qwen3, tmp_path_factory) -> Path:
-    cfg, tensors, _ = load_gguf(qwen3)
-    out = tmp_path_factory.mktemp("qwen3-hf")
-    write_hf_dir(cfg, tensors, out)
-    return out
+    return hf_dir_from_gguf(qwen3, tmp_path_factory.mktemp("qwen3-hf"))
 
 
 def hf_copy(src: Path, dst: Path, edit: dict | None = None, drop_tensor: str | None = None) -> Path:
