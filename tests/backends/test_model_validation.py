@@ -26,7 +26,7 @@ from gguf import GGUFValueType as V
 from zoomr.backends.chat_template import MAX_TEMPLATE_BYTES, ChatTemplateError, _env, render_chat
 from zoomr.backends.gguf_file import REQUIRED_KEYS, read_header
 from zoomr.backends.models import HF_FILE_PATTERNS, ModelLoadError
-from zoomr.backends.torch.weights import load_gguf, load_hf_dir, write_hf_dir
+from zoomr.backends.torch.weights import load_gguf, load_hf_dir
 
 from conftest import ENV, ROOT, assert_one_line_error, zoomr
 from gguf_tiny import hf_dir_from_gguf, write_tiny_gguf
