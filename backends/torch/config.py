@@ -194,6 +194,14 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise ValueError(f"{where}: rope_scaling is {short_repr(rope)}, expected an object")
+        other = cfg.get("rope_scaling") if rope is cfg.get("rope_parameters") else None
+        if isinstance(other, dict):
+            def kind_of(r: dict) -> str:
+                return r.get("rope_type") or r.get("type") or "default"
+
+            if kind_of(other) != kind_of(rope):  # either reading would run the other's RoPE without a word
+                raise ValueError(f"{where}: rope_parameters ({kind_of(rope)!r}) and rope_scaling "
+                                 f"({kind_of(other)!r}) disagree; keep one of them")
         theta = cfg.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             if arch not in HF_ROPE_THETA_DEFAULTS:

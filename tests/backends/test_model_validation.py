@@ -275,6 +275,9 @@ def test_hf_dir_loads(hf_tiny, tiny):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, (),
      r"RoPE scaling 'llama3' needs low_freq_factor \(a number > 0\), got None$"),
     ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, (), r"RoPE scaling 'linear' needs factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, (), r"rope_parameters \('default'\) and rope_scaling "
+                                                                 r"\('llama3'\) disagree; keep one of them$"),
     ({"num_hidden_layers": 10 ** 9}, (), r"num_hidden_layers is 1000000000, but the weights hold \d+ tensors$"),
     ({"num_key_value_heads": 1}, (), r"tensor model\.layers\.0\.self_attn\.k_proj\.weight has shape \[16, 32\], "
                                      r"the configuration needs \[8, 32\]$"),
