@@ -55,7 +55,7 @@ class PolicyKVCache:
                  events: EventBus | None = None, block: int | None = None):
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload {offload!r} unknown (choose from {', '.join(OFFLOAD_MODES)})")
-        if offload == "stream" and policy.name != "full":
+        if offload == "stream" and policy.evicts:
             raise ValueError(f"offload 'stream' copies every position each step; policy {policy.name} selects")
         self.policy, self.device, self.dtype, self.offload = policy, device, dtype, offload
         self.needs_text = policy.needs_text

@@ -1,4 +1,9 @@
-"""KV-policy events for live displays: one event type, one bus per cache factory.
+"""Events and the one bus that delivers them: KV-policy recomputes here, KV-Rescue's in :mod:`zoomr.rescue.events`.
+
+Every event derives from :class:`Event` (a ``kind`` and a JSON-ready :meth:`Event.as_dict`), so one subscriber
+(a live view, a ``--json`` transcript) can take events of both kinds. The bus lives in this, the lowest
+layer, because a KV policy emits into it and kvstore may import nothing above itself (``tests/test_layers.py``);
+rescue, a higher layer, uses the same :class:`EventBus`.
 
 A policy that recomputes its selection (ZoomR, SumR) emits a :class:`RecomputeEvent`; a renderer
 subscribes to the :class:`EventBus` of the backend's cache factory (:func:`kv_events`).
@@ -6,12 +11,25 @@ subscribes to the :class:`EventBus` of the backend's cache factory (:func:`kv_ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Callable, ClassVar, Generic, TypeVar
+
+
+class Event:
+    """Base of every event (subclasses are dataclasses); ``kind`` names it in JSON."""
+
+    kind: ClassVar[str] = "event"
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict: ``{"event": kind, **fields}`` (fields in declaration order, copied deeply)."""
+        return {"event": self.kind, **asdict(self)}
+
+
+E = TypeVar("E", bound=Event)
 
 
 @dataclass
-class RecomputeEvent:
+class RecomputeEvent(Event):
     """One recompute of the selection at a semantic boundary.
 
     Attributes:
@@ -26,6 +44,7 @@ class RecomputeEvent:
         summaries_mode: which segmentation produced them (see ``SegmentTracker.mode_ran``).
     """
 
+    kind: ClassVar[str] = "recompute"
     policy: str
     position: int
     zoomed: list[int]
@@ -50,23 +69,32 @@ def _ids(xs: list[int]) -> str:
     return "[" + ", ".join(map(str, xs)) + "]"
 
 
-class EventBus:
-    """Fan-out of policy events to subscribers (called synchronously, in subscription order)."""
+class EventBus(Generic[E]):
+    """Synchronous fan-out of events to subscribers: ``EventBus[RecomputeEvent]`` for a KV policy,
+    ``EventBus[Event]`` for the rescue loop.
 
-    def __init__(self):
-        self._subscribers: list[Callable[[RecomputeEvent], None]] = []
+    Subscribers are called on the emitting thread, in subscription order; an event is never changed after it
+    is emitted, and an exception a subscriber raises propagates to the emitter (later subscribers then miss
+    that event).
 
-    def subscribe(self, fn: Callable[[RecomputeEvent], None]) -> None:
+    Args:
+        subscribers: called with every event, in this order, before any subscribed later.
+    """
+
+    def __init__(self, *subscribers: Callable[[E], None]):
+        self._subscribers: list[Callable[[E], None]] = list(subscribers)
+
+    def subscribe(self, fn: Callable[[E], None]) -> None:
         """Call ``fn(event)`` for every event from now on."""
         self._subscribers.append(fn)
 
-    def emit(self, event: RecomputeEvent) -> None:
-        """Deliver ``event`` to every subscriber."""
+    def emit(self, event: E) -> None:
+        """Deliver ``event`` to every subscriber, in subscription order."""
         for fn in self._subscribers:
             fn(event)
 
 
-def kv_events(backend) -> EventBus | None:
+def kv_events(backend) -> EventBus[RecomputeEvent] | None:
     """The event bus of ``backend``'s KV policy: ``backend.kv_events`` or ``backend.cache_factory.events``;
     None when its policy emits no events (``full`` or a backend without one)."""
     bus = getattr(backend, "kv_events", None)

@@ -12,6 +12,7 @@ class FullPolicy(KVPolicy):
     """Keeps every position (through the host store; on CUDA the offloaded-full baseline when streamed)."""
 
     name = "full"
+    evicts = False
 
     def fork(self, ctx):
         """No state: a fork costs one object."""

@@ -26,7 +26,7 @@ class KnobInfo:
     """What a knob means and accepts (the metadata :func:`knob` attaches to a config field).
 
     Attributes:
-        help: one line for ``--help`` and README, e.g. "attention-sink tokens kept at the start".
+        help: one line for ``--help`` and docs/policies.md, e.g. "attention-sink tokens kept at the start".
         minimum: the smallest value accepted (numbers), or None.
         choices: the values accepted (strings), or None.
         tokens: the knob counts tokens (error messages say "token").

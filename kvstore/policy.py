@@ -132,6 +132,10 @@ class KVPolicy:
     # whether a position it dropped can be selected again (SumR, ZoomR): only then does its cache keep every
     # K/V in the host store; an eviction-only policy holds its active set and nothing else
     restores_evicted: ClassVar[bool] = False
+    # whether it ever leaves a position out of the attended set: only one that never does (full) may stream
+    # every position from the host each step (PolicyKVCache's offload="stream"), and only one that does can
+    # be a KV-Rescue base
+    evicts: ClassVar[bool] = True
     budget: int | None = None
     slack: int = 0
 

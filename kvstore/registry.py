@@ -2,11 +2,11 @@
 
 Everything that lists or checks policies reads :data:`REGISTRY`: the CLI's ``--policy`` choices and knob
 flags, bench's cells and knob checks, KV-Rescue's base-policy choices, the llama.cpp backend's support
-check and README's policy table (:func:`policy_table_markdown`). Adding a policy is one new file (its
+check and docs/policies.md's policy table (:func:`policy_table_markdown`). Adding a policy is one new file (its
 :class:`~zoomr.kvstore.knobs.PolicyConfig` with its own knobs, and its
 :class:`~zoomr.kvstore.policy.KVPolicy`) plus one entry in the table below.
 
-Defaults and their sources sit with each config's knobs (the policy files); README's table shows them.
+Defaults and their sources sit with each config's knobs (the policy files); docs/policies.md's table shows them.
 """
 
 from __future__ import annotations
@@ -38,10 +38,17 @@ class PolicyInfo:
         name: the ``--policy`` name (the policy class's ``name``).
         config: the policy's config dataclass; its fields are the policy's knobs.
         policy: the policy class (:meth:`PolicyConfig.build` makes one).
-        summary: what the policy keeps, one line (README, ``--help``).
+        summary: what the policy keeps, one line (docs/policies.md, ``--help``).
         scores: the attention signal it ranks positions by, e.g. "accumulated attention scores"; empty
             when it needs only the tokens and their text.
         backends: the backends that implement it (of :data:`BACKENDS`).
+        label: its name in prose, as its paper spells it ("R-KV", "ZoomR"); empty: :attr:`name`.
+        colour: its hex colour in every plot ("#d55e00"); empty: a stable colour picked from the name
+            (:func:`zoomr.evaluation.plots.policy_colour`).
+        matched_target: its measured mean active KV sets the budgets of ``bench --match-budget``'s
+            baselines (one policy at most: :func:`matched_target`).
+        rescue_base_for: the backends on which it is KV-Rescue's base policy when ``--base-policy`` is
+            not given (one per backend: :func:`rescue_base`).
     """
 
     name: str
@@ -50,6 +57,10 @@ class PolicyInfo:
     summary: str
     scores: str = ""
     backends: tuple[str, ...] = ("torch",)
+    label: str = ""
+    colour: str = ""
+    matched_target: bool = False
+    rescue_base_for: tuple[str, ...] = ()
 
     @property
     def knobs(self) -> tuple[Knob, ...]:
@@ -77,7 +88,13 @@ class PolicyInfo:
 
     @property
     def evicts(self) -> bool:
-        return self.name != REFERENCE
+        """Leaves positions out of the attended set (the policy class's ``evicts``; full does not)."""
+        return self.policy.evicts
+
+    @property
+    def display(self) -> str:
+        """The name prose uses: :attr:`label`, else :attr:`name`."""
+        return self.label or self.name
 
 
 REGISTRY: dict[str, PolicyInfo] = {}
@@ -139,6 +156,7 @@ def register(info: PolicyInfo) -> PolicyInfo:
         raise ValueError(f"policy {info.name!r}: its class is named {info.policy.name!r}")
     if not info.backends or set(info.backends) - set(BACKENDS):
         raise ValueError(f"policy {info.name!r}: backends must be among {', '.join(BACKENDS)}, got {info.backends}")
+    _check_roles(info)
     shared = knob_flags()
     for k in info.knobs:
         other = shared.get(k.name)
@@ -153,21 +171,44 @@ def _range(info: KnobInfo) -> tuple:
     return info.minimum, info.choices, info.tokens
 
 
+def _check_roles(info: PolicyInfo) -> None:
+    """A role one policy plays (matched target, a backend's default rescue base) is not claimed twice, and a
+    rescue base evicts on a backend that runs it.
+
+    Raises:
+        ValueError: naming the role and the policy that holds it.
+    """
+    roles = [("the matched-budget target", lambda i: i.matched_target)] if info.matched_target else []
+    for backend in info.rescue_base_for:
+        if backend not in info.backends or not info.evicts:
+            raise ValueError(f"policy {info.name!r}: a default rescue base on {backend} must evict and run there")
+        roles.append((f"the default rescue base on {backend}", lambda i, b=backend: b in i.rescue_base_for))
+    for role, holds in roles:
+        taken = [n for n, i in REGISTRY.items() if holds(i)]
+        if taken:
+            raise ValueError(f"policy {info.name!r}: {taken[0]} is {role} already")
+
+
+# colours: Okabe–Ito hues (colour-blind safe); full is the black reference, ZoomR the strongest hue
 for _row in (
     PolicyInfo("full", FullConfig, FullPolicy, "everything: no eviction (the reference)",
-               backends=("torch", "llamacpp")),
+               backends=("torch", "llamacpp"), label="full KV", colour="#000000"),
     PolicyInfo("streaming", StreamingConfig, StreamingPolicy, "attention sinks + the most recent tokens (StreamingLLM)",
-               backends=("torch", "llamacpp")),
+               backends=("torch", "llamacpp"), label="StreamingLLM", colour="#8c8c8c",
+               rescue_base_for=("llamacpp",)),   # the one evicting policy llama.cpp runs without segments
     PolicyInfo("h2o", H2OConfig, H2OPolicy, "heavy hitters by accumulated attention + recent tokens (H2O)",
-               scores="accumulated attention scores"),
+               scores="accumulated attention scores", label="H2O", colour="#56b4e9"),
     PolicyInfo("snapkv", SnapKVConfig, SnapKVPolicy, "per KV head top keys by pooled observation-window attention "
-               "+ the window (SnapKV)", scores="attention of an observation window"),
+               "+ the window (SnapKV)", scores="attention of an observation window", label="SnapKV",
+               colour="#009e73"),
     PolicyInfo("rkv", RKVConfig, RKVPolicy, "per KV head top keys by attention mixed with key redundancy, "
-               "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity"),
+               "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity", label="R-KV",
+               colour="#e69f00", rescue_base_for=("torch",)),   # KV-Rescue's (arXiv:2608.15797) base policy
     PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
-               "(ZoomR's SumR ablation)", backends=("torch", "llamacpp")),
+               "(ZoomR's SumR ablation)", backends=("torch", "llamacpp"), label="SumR", colour="#0072b2"),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "
-               "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head"),
+               "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head",
+               label="ZoomR", colour="#d55e00", matched_target=True),   # the paper's same-memory comparison
 ):
     register(_row)
 
@@ -196,6 +237,32 @@ def evicting(backend: str | None = None) -> tuple[str, ...]:
     return tuple(n for n in policy_names(backend) if REGISTRY[n].evicts)
 
 
+def matched_target() -> str:
+    """The policy whose measured mean active KV sets the budgets of ``bench --match-budget``'s baselines
+    (ZoomR's paper compares its baselines at ZoomR's memory).
+
+    Raises:
+        LookupError: no registered policy is the matched target.
+    """
+    for name, info in REGISTRY.items():
+        if info.matched_target:
+            return name
+    raise LookupError("no registered policy is the matched-budget target")
+
+
+def rescue_base(backend: str) -> str:
+    """KV-Rescue's base policy on ``backend`` when ``--base-policy`` is not given (R-KV, the paper's, where the
+    backend exposes attention scores).
+
+    Raises:
+        LookupError: no registered policy is ``backend``'s default rescue base.
+    """
+    for name, info in REGISTRY.items():
+        if backend in info.rescue_base_for:
+            return name
+    raise LookupError(f"no registered policy is the default rescue base on {backend}")
+
+
 def budgeted() -> tuple[str, ...]:
     """The policies that read ``--budget``."""
     return tuple(n for n, i in REGISTRY.items() if i.budgeted)
@@ -213,11 +280,17 @@ def check_backend(name: str, backend: str) -> PolicyInfo:
         return info
     runs = ", ".join(policy_names(backend))
     other = info.backends[0]
+    raise ValueError(f"--policy {name} {missing(name, backend)}; the {backend} backend supports {runs} "
+                     f"(use --backend {other} for {name})")
+
+
+def missing(name: str, backend: str) -> str:
+    """Why ``backend`` does not run policy ``name``, as the end of a sentence starting with its name:
+    ``needs accumulated attention scores, which llama.cpp does not expose``."""
+    info = policy_info(name)
     if backend == "llamacpp" and info.needs_scores:
-        why = f"needs {info.scores}, which llama.cpp does not expose"
-    else:
-        why = f"has no {backend} implementation"
-    raise ValueError(f"--policy {name} {why}; the {backend} backend supports {runs} (use --backend {other} for {name})")
+        return f"needs {info.scores}, which llama.cpp does not expose"
+    return f"has no {backend} implementation"
 
 
 @dataclass(frozen=True, init=False)
@@ -298,7 +371,7 @@ class PolicyCacheFactory:
 
 
 def policy_table_markdown() -> str:
-    """README's policy table, rendered from :data:`REGISTRY` (one row per policy, its knobs with defaults)."""
+    """docs/policies.md's policy table, rendered from :data:`REGISTRY` (one row per policy, its knobs with defaults)."""
     lines = ["| `--policy` | keeps | knobs: default (source) | budget | attention scores | host store | backends |",
              "|---|---|---|---|---|---|---|"]
     for name, info in REGISTRY.items():

@@ -27,9 +27,12 @@ def torch_cache_factory(opts: RunOptions):
     """
     check_backend(opts.policy, "torch")
     spec = policy_spec(opts)
-    spec.build()
-    # full stays the plain on-device cache; every other policy attends through the offloaded store
-    return None if opts.policy == REFERENCE else PolicyCacheFactory(spec)
+    if opts.policy == REFERENCE:   # full stays the plain on-device cache (its knobs checked all the same)
+        spec.build()
+        return None
+    # every other policy attends through the offloaded store; the factory builds the policy once, which both
+    # validates the knobs and names it (no second build to check first)
+    return PolicyCacheFactory(spec)
 
 
 def check_policy(opts: RunOptions) -> None:

@@ -38,6 +38,7 @@ from zoomr.backends.memory import host_available_bytes
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import LlamaCppTokenizer
 from zoomr.kvstore.events import EventBus
+from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .batch import Batch
 from .policies import STREAMING_BUFFER, make_policy
@@ -131,12 +132,14 @@ class LlamaCppBackend:
         tokens_submitted: tokens handed to ``llama_decode`` so far (all sequences; tokens).
         decode_calls: ``llama_decode`` calls so far.
         kv_events: the policy's recompute events (sumr), for live displays.
+        policy_spec: the policy and the knobs given (:class:`zoomr.kvstore.registry.PolicySpec`; what
+            :func:`zoomr.prompts.solve_system` reads to prompt for summaries).
     """
 
     name = "llamacpp"
 
     def __init__(self, source: ModelSource, n_ctx: int = 4096, threads: int | None = None,
-                 n_gpu_layers: int = -1, policy: str = "full", *, buffer: int = STREAMING_BUFFER,
+                 n_gpu_layers: int = -1, policy: str = REFERENCE, *, buffer: int = STREAMING_BUFFER,
                  max_sequences: int | None = None, kv_cells: int | None = None, n_batch: int = 512, **knobs):
         import llama_cpp
 
@@ -151,6 +154,7 @@ class LlamaCppBackend:
         self.kv_events = EventBus()
         self._new_policy = make_policy(policy, n_ctx, buffer=buffer, events=self.kv_events, **knobs)
         self.policy_name = policy
+        self.policy_spec = PolicySpec(policy, **knobs)
         cap = self._new_policy().cap
         self.unified = not self._new_policy().evicts  # see the module docstring
         max_sequences, kv_cells = size_cache(cap, not self.unified, max_sequences, kv_cells)

@@ -21,7 +21,11 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from zoomr.kvstore.events import EventBus
-from zoomr.kvstore.registry import PolicySpec, check_backend
+from zoomr.kvstore.full import FullConfig
+from zoomr.kvstore.knobs import PolicyConfig
+from zoomr.kvstore.registry import REFERENCE, PolicySpec, check_backend
+from zoomr.kvstore.streaming import StreamingConfig
+from zoomr.kvstore.sumr import SumRConfig
 
 
 class CellPolicy(Protocol):
@@ -79,7 +83,7 @@ class FullPolicy:
     """No eviction: the sequence holds up to ``cap`` = ``-c`` cells, then the context is full."""
 
     cap: int
-    name: str = "full"
+    name: str = REFERENCE
     evicts: bool = False
     wants_text: bool = False
 
@@ -97,7 +101,7 @@ class FullPolicy:
 
     def describe(self) -> str:
         """``full``."""
-        return "full"
+        return self.name
 
     def stats(self) -> dict:
         """No counters."""
@@ -198,8 +202,12 @@ def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     return lambda: SumRCells(n_ctx, config.window, config.summaries, events, config.segment_tokens)
 
 
-# the llama.cpp implementation of each policy the registry lists for this backend
-CELL_POLICIES: dict[str, Callable[..., Factory]] = {"full": _full, "streaming": _streaming, "sumr": _sumr}
+# The llama.cpp implementation of each policy the registry lists for this backend, keyed by the policy's config
+# class (the registry row's ``config``): the registry names policies and says which backends run them, this
+# module only says how, so no policy name is spelled twice. tests/kv/test_registry.py checks that the two
+# agree (kvstore may not import a backend, so the registry cannot hold these factories itself).
+CELL_POLICIES: dict[type[PolicyConfig], Callable[..., Factory]] = {
+    FullConfig: _full, StreamingConfig: _streaming, SumRConfig: _sumr}
 
 
 def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events: EventBus | None = None,
@@ -219,6 +227,6 @@ def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events
     """
     check_backend(name, "llamacpp")
     config = PolicySpec(name, **knobs).config()
-    if name not in CELL_POLICIES:
+    if type(config) not in CELL_POLICIES:
         raise ValueError(f"--policy {name}: registered for llamacpp, but {__name__} has no implementation of it")
-    return CELL_POLICIES[name](config, n_ctx, buffer, events)
+    return CELL_POLICIES[type(config)](config, n_ctx, buffer, events)

@@ -14,6 +14,7 @@ from zoomr.backends.base import KVStats, check_batch
 from zoomr.backends.models import ModelSource
 from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
+from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .model import Decoder, default_kv_dtype
 from .quant import check_quant, fp16_gemm_available
@@ -188,7 +189,7 @@ class TorchBackend:
         del tensors
         self.n_ctx = n_ctx
         self.cache_factory = cache_factory or _full_cache
-        self.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+        self.policy_name = REFERENCE if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
         if compile:
             self._compile_now()
 
@@ -205,8 +206,17 @@ class TorchBackend:
         (None = full KV). Lets ``zoomr bench`` compare policies without reloading the model."""
         view = copy.copy(self)
         view.cache_factory = cache_factory or _full_cache
-        view.policy_name = "full" if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
+        view.policy_name = REFERENCE if cache_factory is None else getattr(cache_factory, "policy_name", "custom")
         return view
+
+    @property
+    def policy_spec(self) -> PolicySpec | None:
+        """The KV policy new sequences run, with the knobs it was given (what :func:`zoomr.prompts.solve_system`
+        reads to prompt for summaries): ``full`` for plain full KV, the cache factory's ``spec``
+        (:class:`zoomr.kvstore.registry.PolicyCacheFactory`); None for a custom factory (no spec to read)."""
+        if self.cache_factory is _full_cache:
+            return PolicySpec(REFERENCE)
+        return getattr(self.cache_factory, "spec", None)
 
     def shares_weights(self, other) -> bool:
         """True when ``other`` is a view of these weights (:meth:`with_cache_factory`) with the same context

@@ -162,7 +162,7 @@ def compiled_blocks() -> tuple:
     Attention stays eager between them: it reads each sequence's own KV policy. On a CPU inductor builds C++
     kernels (:func:`check_compile` looks for a compiler first). Measured on a 2-core AVX512 CPU (SmolLM2-135M,
     int4, ``benchmarks/backend_speed.py --rows int4,int4c``) the compiled steps decoded slower than eager ones
-    (README "torch.compile"), hence opt-in (``--compile``); on CUDA the fused elementwise kernels are what it
+    (docs/backends.md "torch.compile"), hence opt-in (``--compile``); on CUDA the fused elementwise kernels are what it
     is for (not measured yet).
 
     Source: ``torch.compile`` (PyTorch 2 inductor); compiling the model's math but not the cache bookkeeping

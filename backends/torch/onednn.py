@@ -3,7 +3,7 @@
 ``F.linear`` in fp32 on a CPU calls the BLAS torch was built with (MKL on x86 wheels). On an AMD EPYC
 (AVX512) that GEMM's time grew several-fold from one row to two or eight, so decoding a batch of sequences
 in one forward bought little; oneDNN's inner product on a weight reordered once for its own blocked layout
-grew far less with the rows and was not slower at one row or at prefill sizes (measurements: README
+grew far less with the rows and was not slower at one row or at prefill sizes (measurements: docs/backends.md
 "fp32 linears on a CPU").
 
 The two ops used are the ones ``torch.compile`` itself emits for frozen CPU linears

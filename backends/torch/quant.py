@@ -45,7 +45,7 @@ exact but an order of magnitude slower. Where that output rounding costs agreeme
 decoder works around it: :mod:`.head` for the logits, an fp32 SwiGLU product in :mod:`.model`.
 
 Kernel choice: the int4 bf16 kernel is the fastest of these per decode token on both CPUs measured (AVX2 and
-AVX512-BF16; ``benchmarks/backend_speed.py`` rows, README "Quantized weights"), and the int kernels in fp32 or
+AVX512-BF16; ``benchmarks/backend_speed.py`` rows, docs/backends.md "Quantized weights"), and the int kernels in fp32 or
 fp16 are an order of magnitude slower than in bf16. torchao 0.18's int4 CPU layout calls the same aten op, its
 int8 weight-only layout was slower than ``_weight_int8pack_mm``, and its PyPI wheel carries no CPU kernels of
 its own (the AVX512 ``da8w4`` op is absent).

@@ -1,7 +1,7 @@
 """The policy registry: one table that every list of policies and knobs derives from.
 
 * each row agrees with its class, config and backends; knob ranges name their flag;
-* README's policy table is exactly what the registry renders;
+* docs/policies.md's policy table is exactly what the registry renders;
 * an 8th policy registered here (with a knob nobody else has) reaches the CLI options, the factory,
   bench's cells and knob checks, rescue's base choices and the llama.cpp check with no other edit;
 * bench checks every cell's knobs before any runs, each policy reading only its own knobs.
@@ -25,8 +25,10 @@ from zoomr.factory import check_policy, policy_spec, torch_cache_factory
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.knobs import PolicyConfig, budget_knob, knob, window_knob
 from zoomr.kvstore.policy import ForwardInfo, KVPolicy
+from zoomr.evaluation.plots import FALLBACK_COLOURS, policy_colour
 from zoomr.kvstore.registry import (REFERENCE, REGISTRY, PolicyInfo, PolicySpec, budgeted, check_backend, evicting,
-                                    knob_flags, policy_names, policy_table_markdown, register)
+                                    knob_flags, matched_target, policy_names, policy_table_markdown, register,
+                                    rescue_base)
 from zoomr.options import RunOptions, knob_scope
 from zoomr.rescue.plan import RescueOptions, plan_rescue
 
@@ -38,7 +40,7 @@ def test_each_row_matches_its_class_config_and_backends(name):
     assert type(policy) is info.policy and policy.name == name and policy.describe().startswith(name)
     assert info.budgeted == (policy.budget is not None)
     # llama.cpp has cell operations only: a policy that ranks by attention cannot run there
-    assert ("llamacpp" in info.backends) == (name in CELL_POLICIES)
+    assert ("llamacpp" in info.backends) == (info.config in CELL_POLICIES)
     assert not (info.needs_scores and "llamacpp" in info.backends)
     assert "torch" in info.backends and info.summary and info.evicts == (name != REFERENCE)
     for k in info.knobs:
@@ -71,10 +73,23 @@ def test_shipped_table_and_derived_lists():
         check_backend("h2o", "llamacpp")
 
 
-def test_readme_shows_the_table_the_registry_renders():
+def test_docs_policy_page_shows_the_table_the_registry_renders():
     table = policy_table_markdown()
-    assert table in (ROOT / "README.md").read_text(), "README's policy table is stale: paste policy_table_markdown()"
+    page = (ROOT / "docs" / "policies.md").read_text()
+    assert table in page, "docs/policies.md's policy table is stale: paste policy_table_markdown() over it"
     assert len(table.strip().splitlines()) == 2 + len(REGISTRY)
+
+
+def test_the_registry_answers_every_policy_role():
+    # a fixed colour per shipped policy, all different, and the plots draw each in it
+    assert all(len(i.colour) == 7 and i.colour.startswith("#") for i in REGISTRY.values())
+    assert len({i.colour for i in REGISTRY.values()}) == len(REGISTRY)
+    assert all(policy_colour(name) == info.colour for name, info in REGISTRY.items())
+    assert matched_target() == "zoomr"
+    assert (rescue_base("torch"), rescue_base("llamacpp")) == ("rkv", "streaming")
+    # llama.cpp implements exactly the policies the registry lists for it (its factories keyed by config class)
+    assert {REGISTRY[n].config for n in policy_names("llamacpp")} == set(CELL_POLICIES)
+    assert [n for n, i in REGISTRY.items() if not i.evicts] == [REFERENCE]
 
 
 def test_register_refuses_a_row_that_disagrees():
@@ -129,6 +144,19 @@ def stride():
     info = register(PolicyInfo("stride", StrideConfig, StridePolicy, "the newest B + every stride-th older (test)"))
     yield info
     del REGISTRY["stride"]
+
+
+def test_a_policy_role_is_claimed_once(stride):
+    del REGISTRY["stride"]
+    with pytest.raises(ValueError, match="zoomr is the matched-budget target already"):
+        register(replace(stride, matched_target=True))
+    with pytest.raises(ValueError, match="rkv is the default rescue base on torch already"):
+        register(replace(stride, rescue_base_for=("torch",)))
+    with pytest.raises(ValueError, match="must evict and run there"):
+        register(replace(stride, rescue_base_for=("llamacpp",)))
+    assert "stride" not in REGISTRY
+    register(stride)   # the fixture removes it again
+    assert stride.colour == "" and policy_colour("stride") in FALLBACK_COLOURS
 
 
 def test_an_eighth_policy_reaches_the_cli_options(stride):
