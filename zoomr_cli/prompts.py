@@ -1,4 +1,9 @@
-"""The solve prompt: messages → the model's chat template → token ids (what solve, bench and rescue prefill)."""
+"""The solve prompt: messages → the model's chat template → token ids (what solve, bench and rescue prefill).
+
+:func:`solve_system` is the one place that decides the system message a solve sends on a loaded model (the
+summary instruction of ``--summaries prompted``): ``zoomr.solve``, ``zoomr.run_rescue`` and the CLI all go
+through it (via :func:`zoomr.solving.solve_ids`), so the library and ``zoomr solve`` prompt alike.
+"""
 
 from __future__ import annotations
 
@@ -42,3 +47,24 @@ def system_with_summaries(system: str | None, policy: str, summaries: str) -> st
     if summaries != "prompted" or "summaries" not in policy_info(policy).knob_names:
         return system
     return f"{system}\n\n{SUMMARY_INSTRUCTION}" if system else SUMMARY_INSTRUCTION
+
+
+def solve_system(backend, system: str | None) -> str | None:
+    """The system message a solve on ``backend`` sends: :func:`system_with_summaries` for the KV policy the
+    backend runs and its ``summaries`` knob (the knob as given, else the policy's default).
+
+    The policy is read from ``backend.policy_spec`` (a :class:`zoomr.kvstore.registry.PolicySpec`: the torch
+    backend's cache factory's, the llama.cpp backend's own); a backend without one (a custom cache factory,
+    a test double) gets ``system`` unchanged.
+
+    Args:
+        backend: a loaded model (:func:`zoomr.load`).
+        system: the caller's system message, or None.
+    Returns:
+        the system message to render, or None for none.
+    """
+    spec = getattr(backend, "policy_spec", None)
+    if spec is None:
+        return system
+    defaults = {k.name: k.default for k in policy_info(spec.name).knobs}
+    return system_with_summaries(system, spec.name, spec.knobs.get("summaries", defaults.get("summaries")))

@@ -14,7 +14,7 @@ from zoomr.backends.generation import GenerationStats, generate
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.errors import UserError, check_text
 from zoomr.grading import extract_answer
-from zoomr.prompts import solve_prompt
+from zoomr.prompts import solve_prompt, solve_system
 
 # generation that ended before the model chose to stop: a \boxed{} still open then is no answer
 TRUNCATED = ("length", "context", "interrupted")
@@ -99,6 +99,25 @@ def fit_prompt(tokenizer, problem: str, system: str | None, n_ctx: int) -> list[
     return ids
 
 
+def solve_ids(backend: Backend, problem: str, system: str | None = None, n_ctx: int | None = None) -> list[int]:
+    """The prompt a solve on ``backend`` prefills: :func:`fit_prompt` with the system message
+    :func:`zoomr.prompts.solve_system` makes for the backend's KV policy (the summary instruction under
+    ``--summaries prompted``). :func:`solve`, :func:`zoomr.run_rescue` and the CLI (to refuse a long prompt
+    before it prints anything else) all build their prompts here, so they are the same token ids.
+
+    Args:
+        backend: a loaded model (:func:`zoomr.load`); its tokenizer and policy are read.
+        problem: the problem text (no template); ``system``: the caller's system message, or None.
+        n_ctx: the context the prompt must leave room in (tokens); None = ``backend.n_ctx``.
+    Returns:
+        token ids (tokens), fewer than the context.
+    Raises:
+        UserError, ChatTemplateError: see :func:`fit_prompt`.
+    """
+    return fit_prompt(backend.tokenizer, problem, solve_system(backend, system),
+                      backend.n_ctx if n_ctx is None else n_ctx)
+
+
 def check_fits(prompt_tokens: int, n_ctx: int) -> None:
     """A prompt of ``prompt_tokens`` leaves room for a generated token in a context of ``n_ctx`` (tokens).
 
@@ -114,17 +133,19 @@ def solve(backend: Backend, problem: str, *, system: str | None = None, sampling
           on_token: Callable[[str], None] | None = None) -> SolveResult:
     """Reason step by step on ``problem`` in a fresh sequence of ``backend`` and extract the answer.
 
-    The prompt is :func:`zoomr.prompts.solve_prompt` (the problem + "put your final answer within
-    \\boxed{}", in the model's chat template). The KV policy is the backend's own (``zoomr.load(...,
-    policy=...)``); its sequence is freed before returning, after its :class:`KVStats` were read.
-    Ctrl-C (KeyboardInterrupt) during generation ends it early: the result holds what was generated,
-    with ``stop_reason`` ``interrupted``.
+    The prompt is :func:`solve_ids`: :func:`zoomr.prompts.solve_prompt` (the problem + "put your final
+    answer within \\boxed{}", in the model's chat template) with the system message the backend's policy
+    asks for (:func:`zoomr.prompts.solve_system`), as ``zoomr solve`` sends it. The KV policy is the
+    backend's own (``zoomr.load(..., policy=...)``); its sequence is freed before returning, after its
+    :class:`KVStats` were read. Ctrl-C (KeyboardInterrupt) during generation ends it early: the result
+    holds what was generated, with ``stop_reason`` ``interrupted``.
 
     Args:
         backend: a loaded model (:func:`zoomr.load`).
         problem: the problem text (no template).
-        system: the system message, sent as given (``--summaries prompted`` under sumr/zoomr expects
-            :func:`zoomr.prompts.system_with_summaries` applied first).
+        system: the system message; under a policy that reads ``summaries`` with ``summaries="prompted"``
+            (sumr, zoomr) the instruction to write delimited summaries is appended
+            (:func:`zoomr.prompts.solve_system`).
         sampling: temperature, top-k, top-p, seed; default greedy (temperature 0).
         n_predict: most tokens to generate (tokens); -1 = until EOS or the context is full.
         ignore_eos: never sample end-of-sequence, so exactly ``n_predict`` tokens come (llama.cpp's flag).
@@ -139,7 +160,7 @@ def solve(backend: Backend, problem: str, *, system: str | None = None, sampling
     """
     params = (sampling or SamplingParams()).validate()
     sampler = Sampler(params)
-    ids = fit_prompt(backend.tokenizer, problem, system, backend.n_ctx)
+    ids = solve_ids(backend, problem, system)
     gen = GenerationStats()
     seq = backend.new_sequence()
     try:

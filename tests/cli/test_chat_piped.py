@@ -32,3 +32,16 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
     assert "error: this line: not valid UTF-8 (byte 3)" in err and "Traceback" not in err
     assert len(r.stdout.decode().splitlines()) == 1           # one answer: the second line's
     assert "conversation: turns 1" in err
+
+
+def test_chat_asks_for_summaries_under_summaries_prompted_as_solve_does():
+    import re
+
+    def prefilled(summaries: str) -> int:
+        r = zoomr("chat", "--no-live", "-n", "1", "--temp", "0", "--policy", "zoomr", "--summaries", summaries,
+                  stdin="hi\n/stats\n")
+        assert r.returncode == 0, r.stderr
+        return int(re.search(r"stats: prefill (\d+) tok", r.stderr).group(1))
+
+    # the instruction (a few dozen tokens) is in the system message of the first turn
+    assert prefilled("prompted") > prefilled("auto") + 10

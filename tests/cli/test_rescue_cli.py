@@ -192,3 +192,31 @@ def test_no_detector_is_the_papers_eviction_only_best_of_n(tmp_path):
     assert "detector off" in r.stderr
     kv = rec["kv_trajectory"]["base"]
     assert kv["tokens"] == sum(st["tokens"] for st in rec["steps"]) and kv["mean_active_tokens"] <= 32 + 128
+
+
+def test_the_cli_runs_the_library_runner(tmp_path, monkeypatch, capsys):
+    """``zoomr solve --rescue`` loads and renders; the run is the library's (zoomr.rescue.runner.run_rescue):
+    a subscriber given to it sees exactly the events the ``--json`` record lists."""
+    import zoomr.cli.rescue as cli_rescue
+    from zoomr.cli.render import Output
+    from zoomr.rescue import runner
+
+    calls, seen = [], []
+
+    def spy(base, problem, *, on_event, **kw):
+        calls.append((problem, kw))
+        return runner.run_rescue(base, problem, on_event=lambda ev: (seen.append(ev.as_dict()), on_event(ev)), **kw)
+
+    monkeypatch.setattr(cli_rescue, "run_rescue", spy)
+    out = tmp_path / "run.json"
+    code = cli_rescue.solve_with_rescue("What is 2 + 3?", "Be brief.", str(out), Output(live=False),
+                                        RunOptions(threads=1, knobs={"budget": 32}),
+                                        RescueOptions(rescue=True, nb=1, nh=1, max_steps=1, step_tokens=4))
+    assert code == 0 and len(calls) == 1
+    problem, kw = calls[0]
+    assert problem == "What is 2 + 3?" and kw["system"] == "Be brief."   # the user's --system, as given
+    rec = json.loads(out.read_text())
+    assert seen and json.loads(json.dumps(seen)) == rec["events"]
+    assert rec["settings"]["base_policy"] == "rkv" and rec["settings"]["budget"] == 32
+    assert f"[step 1 · {rec['steps'][0]['source']}" in capsys.readouterr().out
+

@@ -17,7 +17,8 @@ from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells, plan, rescue_warnings
 from zoomr.evaluation.datasets import Problem
-from zoomr.rescue.events import CandidateAborted, CandidateStarted, EventStream, KVSnapshot, RunStarted
+from zoomr.kvstore.events import EventBus
+from zoomr.rescue.events import CandidateAborted, CandidateStarted, KVSnapshot, RunStarted
 from zoomr.rescue.loop import RescueConfig, RescueLoop
 from zoomr.options import RunOptions
 from zoomr.rescue.engine import Engine
@@ -90,7 +91,7 @@ class FavouringSource:
 def make_loop(base, helper, nb, nh, step_tokens, max_steps, seed=0, scorer=None) -> tuple[RescueLoop, Transcript]:
     """A loop with the fallback scorer (or ``scorer``) and a transcript subscribed (subscribe more on
     ``loop.events``)."""
-    events, tr = EventStream(), Transcript()
+    events, tr = EventBus(), Transcript()
     events.subscribe(tr)
     loop = RescueLoop(Engine("base", base), Engine("helper", helper), scorer or HelperLikelihoodScorer(),
                       Sampler(SamplingParams(0.8, 20, 0.95, seed)), RescueConfig(nb, nh, step_tokens, max_steps, 2048),

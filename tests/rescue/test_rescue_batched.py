@@ -16,7 +16,7 @@ from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.prompts import solve_prompt
 from zoomr.rescue.degeneration import DetectorConfig
 from zoomr.rescue.engine import Engine
-from zoomr.rescue.events import EventStream
+from zoomr.kvstore.events import EventBus
 from zoomr.rescue.loop import RescueConfig, RescueLoop
 from zoomr.rescue.scorers import HelperLikelihoodScorer
 from zoomr.rescue.transcript import Transcript
@@ -43,7 +43,7 @@ def solve(torch_backend, batched: bool, config: RescueConfig, seed: int = 0, hel
     if batch_sizes is not None:
         for be in (base, helper):
             be.decode_batch = _counting(be.decode_batch, batch_sizes)
-    events, tr = EventStream(), Transcript()
+    events, tr = EventBus(), Transcript()
     events.subscribe(tr)
     loop = RescueLoop(Engine("base", base), Engine("helper", helper), HelperLikelihoodScorer(),
                       Sampler(SamplingParams(0.8, 20, 0.95, seed)), replace(config, batched=batched), events)

@@ -11,7 +11,7 @@ import pytest
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.rescue.degeneration import DetectorConfig
 from zoomr.rescue.engine import Engine
-from zoomr.rescue.events import EventStream
+from zoomr.kvstore.events import EventBus
 from zoomr.rescue.loop import RescueConfig, RescueLoop
 from zoomr.rescue.scorers import HelperLikelihoodScorer
 from zoomr.rescue.transcript import Transcript
@@ -24,7 +24,7 @@ UNIT = "The answer is 5.\n\n"
 def run_loop(backend, batched: bool, detector: DetectorConfig = DetectorConfig()) -> Transcript:
     """N_b 2, N_h 1, five steps of at most 12 tokens, the base and the helper on the embedded model; top-k 1,
     so every candidate writes what the model is surest of."""
-    events, tr = EventStream(), Transcript()
+    events, tr = EventBus(), Transcript()
     events.subscribe(tr)
     loop = RescueLoop(Engine("base", backend), Engine("helper", backend), HelperLikelihoodScorer(),
                       Sampler(SamplingParams(0.8, 1, 0.95, 0)),

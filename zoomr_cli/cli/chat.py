@@ -21,6 +21,7 @@ from zoomr.errors import check_text
 
 from zoomr.factory import build_backend, check_options
 from zoomr.options import RunOptions, check_knobs_read
+from zoomr.prompts import solve_system
 from zoomr.cli.options import OneSequence, loading, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
 
@@ -158,7 +159,8 @@ def chat(
     # piped in (llama.cpp's way): no prompt, and stdout holds the answers alone; /stats and notes go to stderr
     interactive = sys.stdin.isatty()
     out.info(HELP)
-    session = ChatSession(backend, sampler, opts.n_predict, system)
+    # --summaries prompted asks for delimited summaries here as solve does (one prompt builder)
+    session = ChatSession(backend, sampler, opts.n_predict, solve_system(backend, system))
     while True:
         try:
             if not _handle(input("> " if interactive else "").strip(), session, out, editing, interactive):

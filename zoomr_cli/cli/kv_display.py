@@ -1,4 +1,4 @@
-"""KV-policy output for solve/chat: live zoom events, the final policy line, the prompted-summaries system text."""
+"""KV-policy output for solve/chat: live recompute events (``-v``) and the final policy line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from zoomr.kvstore.events import EventBus, RecomputeEvent
 from zoomr.cli.render import count, mib
 
 
-def attach_live_events(bus: EventBus | None, out) -> bool:
+def attach_live_events(bus: EventBus[RecomputeEvent] | None, out) -> bool:
     """Print every recompute event as its own line on stderr while tokens stream (``solve -v``).
 
     Returns True when a display was attached (False: the backend has no event bus).

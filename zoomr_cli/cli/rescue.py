@@ -1,8 +1,9 @@
 """``zoomr solve FILE --rescue``: model loading, the run under the live or plain view, results and ``--json``.
 
-:func:`run_rescue` builds the base (evicting policy), the helper (full KV) and the scorer from a
-:class:`zoomr.rescue.plan.RescuePlan`, runs :class:`zoomr.rescue.loop.RescueLoop`, prints the
-answer and statistics and writes the JSON record — also after Ctrl-C (exit 130).
+:func:`solve_with_rescue` builds the base (evicting policy), the helper (full KV) and the scorer from a
+:class:`zoomr.rescue.plan.RescuePlan`, runs them through the library's :func:`zoomr.rescue.runner.run_rescue`
+(the run ``zoomr.run_rescue`` makes), prints the answer and statistics and writes the JSON record — also
+after Ctrl-C (exit 130). Nothing of the loop or its transcript is built here: this module loads and renders.
 """
 
 from __future__ import annotations
@@ -10,17 +11,15 @@ from __future__ import annotations
 import contextlib
 import signal
 
-from zoomr.backends.sampling import Sampler
 from zoomr.errors import UserError
 
 from zoomr.factory import build_backend, check_options
-from zoomr.prompts import system_with_summaries
-from zoomr.solving import fit_prompt
+from zoomr.solving import solve_ids
 from zoomr.options import RunOptions
 from zoomr.cli.options import loading
 from zoomr.cli.inputs import write_json
 from zoomr.cli.render import Output, mib
-from zoomr.rescue.runner import build_helper, helper_is_base, rescue_once
+from zoomr.rescue.runner import build_helper, helper_is_base, run_rescue
 from zoomr.rescue.plan import RescueOptions, for_flag, plan_rescue
 from zoomr.cli.rescue_view import LiveView, PlainView
 from zoomr.rescue.scorers import build_scorer
@@ -78,28 +77,36 @@ def print_summary(out: Output, s: dict) -> None:
             out.result("kv", _kv_line(role, s["kv"][role]), style="dim")
 
 
-def run_rescue(problem: str, system: str | None, json_path: str | None, out: Output, opts: RunOptions,
-               ropts: RescueOptions) -> int:
-    """Run KV-Rescue on one problem; returns the exit code (0, or 130 after Ctrl-C).
+def solve_with_rescue(problem: str, system: str | None, json_path: str | None, out: Output, opts: RunOptions,
+                      ropts: RescueOptions) -> int:
+    """``zoomr solve --rescue``: load the models ``ropts`` and ``opts`` name, run KV-Rescue on one problem
+    (:func:`zoomr.rescue.runner.run_rescue`) under the live or plain view, print the summary, write ``--json``.
 
+    Args:
+        problem: the problem text; system: the user's ``--system`` (the base's summary instruction is the
+            library's to add, :func:`zoomr.solving.solve_ids`).
+        json_path: where the record goes (``-``: stdout), or None; out: the terminal output.
+        opts: the model flags (the base's); ropts: the ``--rescue`` flags.
+    Returns:
+        the exit code: 0, or 130 after Ctrl-C or SIGTERM (the committed steps are printed and recorded).
     Raises:
-        UserError / ValueError: bad flags or models (one line, exit 2).
+        UserError / ValueError: bad flags or models, a prompt over ``-c`` (one line, exit 2), before any
+            model past the one that showed it loads.
     """
     if opts.ignore_eos:   # a committed end-of-sequence ends the run: the loop cannot be made to fill -n
         raise UserError("--ignore-eos does not apply to --rescue: its run ends at a committed end-of-sequence, "
                         "-n, -c or --max-steps")
     plan = plan_rescue(ropts, opts)
-    sampler = Sampler(opts.sampling(default_temp=0.8))
+    sampling = opts.sampling(default_temp=0.8).validate()  # bad values refused before any model loads
     for flag, flag_opts in (("base", plan.base_opts), ("--helper", plan.helper_opts)):  # before any model loads
         for_flag(flag, check_options, flag_opts)
     for note in plan.notes:   # after the checks: a refused run prints its error line alone
         out.info(note)
     with loading(out, opts, "loading base model…"):
         base = for_flag("base", build_backend, plan.base_opts)
-    # the check plain solve makes (zoomr.solving.fit_prompt), before the helper and scorer load
+    # the check plain solve makes, before the helper and scorer load (run_rescue builds the same ids again)
     max_context = plan.config.max_context
-    base_system = system_with_summaries(system, plan.base_opts.policy, opts.knob("summaries"))
-    base_ids = fit_prompt(base.tokenizer, problem, base_system, max_context)
+    solve_ids(base, problem, system, max_context)
     if plan.prm is None:  # the fallback reads the helper's likelihoods: nothing to load (the view names it)
         scorer = build_scorer(None)
     else:
@@ -111,16 +118,18 @@ def run_rescue(problem: str, system: str | None, json_path: str | None, out: Out
     else:
         with out.status("loading helper model…"):
             helper = for_flag("--helper", build_helper, base, plan.helper_opts)
-    helper_ids = fit_prompt(helper.tokenizer, problem, system, max_context)
+    # and the helper's, before the live view takes the terminal: a refusal stays the only line after the loads
+    solve_ids(helper, problem, system, max_context)
 
     view = LiveView(out.out) if out.live else PlainView(out)
     ctrl_c = CtrlC()
-    settings = {"sampling": vars(sampler.params), "base_policy": plan.base_opts.policy, "budget": opts.knob("budget"),
-                "backend": opts.backend}
+    # the record's settings after the config's and sampling's: which base the flags chose
+    settings = {"base_policy": plan.base_opts.policy, "budget": opts.knob("budget"), "backend": opts.backend}
     with ctrl_c, (view if out.live else contextlib.nullcontext()):
-        reason, transcript = rescue_once(base, helper, scorer, sampler, plan.config, problem, base_ids, helper_ids,
-                                         settings, observers=(view,), stop_requested=ctrl_c)
+        transcript = run_rescue(base, problem, helper=helper, scorer=scorer, config=plan.config, sampling=sampling,
+                                system=system, on_event=view, stop_requested=ctrl_c, settings=settings)
     summary = transcript.summary()
+    reason = summary["stop_reason"]
     print_summary(out, summary)
     if json_path:
         where = write_json(json_path, transcript.record(problem), indent=1)

@@ -1,6 +1,7 @@
 """What a person sees of a KV-Rescue run: a rich live view, or plain committed steps (``--no-live``).
 
-Both are subscribers of the event stream (:mod:`zoomr.rescue.events`).
+Both are subscribers of the run's event bus (:class:`zoomr.kvstore.events.EventBus`; the events are in
+:mod:`zoomr.rescue.events`).
 
 Live view: committed steps are printed permanently as they are committed (the trajectory grows
 upward on the terminal); below them a live table shows the current step's candidates side by side:
@@ -17,13 +18,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from zoomr.kvstore.events import Event
 from zoomr.rescue.events import (
     CandidateAborted,
     CandidateFinished,
     CandidateScored,
     CandidateStarted,
     CandidateToken,
-    Event,
     KVSnapshot,
     RunStarted,
     StepCommitted,

@@ -11,14 +11,13 @@ from zoomr.errors import UserError, check_text
 from zoomr.factory import build_backend, check_options
 from zoomr.kvstore.events import kv_events
 from zoomr.options import RunOptions, check_knobs_read
-from zoomr.prompts import system_with_summaries
 from zoomr.rescue.plan import RescueOptions
 
 from zoomr.cli.inputs import check_writable, read_text_input, write_json
 from zoomr.cli.kv_display import attach_live_events, policy_line
 from zoomr.cli.options import OneSequence, loading, model_options, refuse_parallel
 from zoomr.cli.render import Output, stats_line
-from zoomr.cli.rescue import run_rescue
+from zoomr.cli.rescue import solve_with_rescue
 from zoomr.cli.rescue_options import rescue_options
 
 
@@ -52,16 +51,16 @@ def solve(
     check_writable(json_path)
     out = Output(live=not no_live, stdout_free=json_path == "-")
     if rescue.rescue:  # KV-Rescue lives in zoomr.cli.rescue; plain solve continues below
-        return run_rescue(problem, system, json_path, out, opts, rescue)
+        return solve_with_rescue(problem, system, json_path, out, opts, rescue)
     check_knobs_read(opts)
     sampling = opts.sampling(default_temp=0.0)
 
     check_options(opts)  # bad flags refused before "loading model…"
     with loading(out, opts):
         backend = build_backend(opts)
-    system = system_with_summaries(system, opts.policy, opts.knob("summaries"))
-    # a prompt over -c is refused before the model line: the error is then the only line after "loading model…"
-    solving.fit_prompt(backend.tokenizer, problem, system, backend.n_ctx)
+    # a prompt over -c is refused before the model line: the error is then the only line after "loading model…";
+    # solving.solve builds the same ids again (the summary instruction its policy asks for included)
+    solving.solve_ids(backend, problem, system)
     out.info(backend.describe())
     if verbose:
         attach_live_events(kv_events(backend), out)

@@ -1,8 +1,10 @@
-"""The KV-Rescue event stream: everything the rescue loop does, as typed events, fanned out to subscribers.
+"""The KV-Rescue events: everything the rescue loop does, as typed events, fanned out to subscribers.
 
-One stream feeds the live view, the ``--json`` transcript and the tests, so what is shown, what is
-recorded and what is checked are the same facts. Subscribers are called synchronously, in order,
-on the loop's thread; an event is never changed after it is emitted.
+One :class:`zoomr.kvstore.events.EventBus` (the bus KV policies emit into too) feeds the live view, the
+``--json`` transcript and the tests, so what is shown, what is recorded and what is checked are the same
+facts. Subscribers are called synchronously, in order, on the loop's thread; an event is never changed
+after it is emitted. Every event here derives from :class:`zoomr.kvstore.events.Event`: ``kind`` names it
+and ``as_dict()`` is its JSON form.
 
 Terms: a *step* is one paragraph of reasoning (ends at ``\\n\\n``, EOS or the step-token limit);
 a *candidate* is one sampled continuation for the current step from the ``base`` (evicted KV) or
@@ -11,18 +13,10 @@ the ``helper`` (full KV); the winner is *committed* to the shared trajectory.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-
-class Event:
-    """Base of every event; ``kind`` names it in JSON."""
-
-    kind: ClassVar[str] = "event"
-
-    def as_dict(self) -> dict:
-        """JSON-ready dict: ``{"event": kind, **fields}``."""
-        return {"event": self.kind, **asdict(self)}
+from zoomr.kvstore.events import Event
 
 
 @dataclass
@@ -172,18 +166,3 @@ class RunFinished(Event):
     steps: int
     seconds: float
 
-
-@dataclass
-class EventStream:
-    """Synchronous fan-out of :class:`Event` objects to subscribers."""
-
-    subscribers: list[Callable[[Event], None]] = field(default_factory=list)
-
-    def subscribe(self, fn: Callable[[Event], None]) -> None:
-        """Call ``fn(event)`` for every event from now on."""
-        self.subscribers.append(fn)
-
-    def emit(self, event: Event) -> None:
-        """Deliver ``event`` to every subscriber, in subscription order."""
-        for fn in self.subscribers:
-            fn(event)

@@ -57,6 +57,7 @@ import numpy as np
 
 from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler
+from zoomr.kvstore.events import Event, EventBus
 
 from zoomr.rescue.degeneration import TAIL_LIMIT, DegenerationDetector, DetectorConfig
 from zoomr.rescue.events import (
@@ -65,7 +66,6 @@ from zoomr.rescue.events import (
     CandidateScored,
     CandidateStarted,
     CandidateToken,
-    EventStream,
     KVSnapshot,
     RunFinished,
     RunStarted,
@@ -157,7 +157,7 @@ class RescueLoop:
     """
 
     def __init__(self, base: Engine, helper: Engine, scorer: Scorer, sampler: Sampler, config: RescueConfig,
-                 events: EventStream, stop_requested: Callable[[], bool] = lambda: False):
+                 events: EventBus[Event], stop_requested: Callable[[], bool] = lambda: False):
         self.base, self.helper, self.scorer, self.sampler = base, helper, scorer, sampler
         self.config = config.validate()
         self.events = events

@@ -17,7 +17,7 @@ from typing import Optional
 from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
 from zoomr.factory import check_policy
-from zoomr.kvstore.registry import REFERENCE, REGISTRY, evicting
+from zoomr.kvstore.registry import BACKENDS, REFERENCE, REGISTRY, evicting, missing, rescue_base
 from zoomr.options import RunOptions, check_knobs_read
 
 from .degeneration import DetectorConfig
@@ -102,9 +102,10 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     notes = []
     policy = pick("base_policy")
     if policy is None:
-        policy = "streaming" if opts.backend == "llamacpp" else "rkv"
-        if opts.backend == "llamacpp":
-            notes.append("base policy streaming: R-KV needs attention scores, which llama.cpp does not expose")
+        policy = rescue_base(opts.backend)
+        paper = rescue_base(BACKENDS[0])   # the paper's base (R-KV), on the backend that runs every policy
+        if policy != paper:
+            notes.append(f"base policy {policy}: {REGISTRY[paper].display} {missing(paper, opts.backend)}")
     choices = ", ".join(evicting(opts.backend))
     if policy == REFERENCE:
         raise UserError(f"--base-policy {REFERENCE}: the base must evict (the helper is the full-KV model); "

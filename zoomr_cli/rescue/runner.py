@@ -1,7 +1,8 @@
 """Running KV-Rescue over loaded models: the helper built beside the base, one loop run with its transcript.
 
-:func:`run_rescue` is the library's entry point (``zoomr.run_rescue``); :func:`rescue_once` is what it, the
-CLI and the bench cells share.
+:func:`run_rescue` is the entry point of the library (``zoomr.run_rescue``) and of ``zoomr solve --rescue``
+(:mod:`zoomr.cli.rescue` loads the models and renders); :func:`rescue_once`, the loop over prompts already
+tokenized, is what it and the bench cells share.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.factory import build_backend
+from zoomr.kvstore.events import Event, EventBus
 from zoomr.options import RunOptions
-from zoomr.solving import fit_prompt
+from zoomr.solving import solve_ids
 
-from .events import Event, EventStream
 from .loop import RescueConfig, RescueLoop
 from .engine import Engine
 from .scorers import HelperLikelihoodScorer, Scorer
@@ -54,9 +55,8 @@ def rescue_once(base, helper, scorer, sampler: Sampler, config: RescueConfig, qu
     Raises:
         UserError: a prompt of ``config.max_context`` tokens or more (:func:`zoomr.solving.check_fits`).
     """
-    events, transcript = EventStream(), Transcript()
-    for sub in (transcript, *observers):
-        events.subscribe(sub)
+    transcript = Transcript()
+    events = EventBus(transcript, *observers)
     loop = RescueLoop(Engine("base", base), Engine("helper", helper), scorer, sampler, config, events,
                       stop_requested)
     try:
@@ -69,7 +69,7 @@ def rescue_once(base, helper, scorer, sampler: Sampler, config: RescueConfig, qu
 def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, scorer: Scorer | None = None,
                config: RescueConfig | None = None, sampling: SamplingParams | None = None,
                system: str | None = None, on_event: Callable[[Event], None] | None = None,
-               stop_requested: Callable[[], bool] = lambda: False) -> Transcript:
+               stop_requested: Callable[[], bool] = lambda: False, settings: dict | None = None) -> Transcript:
     """Solve ``problem`` with KV-Rescue: the evicting ``base`` and a full-KV ``helper`` propose each step,
     ``scorer`` commits the best (KV-Rescue, arXiv:2608.15797, "Stepwise interleaving").
 
@@ -81,16 +81,21 @@ def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, sc
         config: counts and limits (:class:`RescueConfig`); None = its defaults with ``max_context`` the
             smaller of the two models' ``n_ctx`` (tokens).
         sampling: candidate sampling; None = the paper's T 0.8, top-k 20, top-p 0.95, seed 0.
-        system: a system message for both models' prompts (:func:`zoomr.prompts.solve_prompt`).
-        on_event: called with every :class:`zoomr.rescue.events.Event` as it happens, on this thread
-            (``event.kind``: ``candidate_started``, ``token``, ``candidate_aborted``, ``step_committed`` ...).
+        system: a system message for both models' prompts; each model's prompt is the one :func:`zoomr.solve`
+            would send it (:func:`zoomr.solving.solve_ids`: the summary instruction of ``summaries="prompted"``
+            is added for a base under sumr/zoomr, never for the full-KV helper).
+        on_event: called with every :class:`zoomr.rescue.events` event as it happens, on this thread, after
+            the transcript took it (``event.kind``: ``candidate_started``, ``token``, ``candidate_aborted``,
+            ``step_committed`` ...): the events ``record()`` lists, as objects.
         stop_requested: polled before every sampled token; True ends the run as Ctrl-C does.
+        settings: more entries for the record's ``settings`` (``zoomr solve --rescue``: base_policy, budget,
+            backend), after the config's fields and ``sampling``.
     Returns:
         the :class:`Transcript`: ``summary()`` (answer, stop_reason, steps, tokens, KV), ``record(problem)``
         (the ``--json`` document) and ``events``.
     Raises:
         UserError: a prompt of ``config.max_context`` tokens or more, or problem text that is not valid
-            Unicode (:func:`zoomr.solving.fit_prompt`, as :func:`zoomr.solve` checks it).
+            Unicode (:func:`zoomr.solving.solve_ids`, as :func:`zoomr.solve` checks it).
         ValueError: no helper given for a base that cannot share its weights, invalid counts or sampling values.
     """
     if helper is None:
@@ -100,9 +105,10 @@ def run_rescue(base: Backend, problem: str, *, helper: Backend | None = None, sc
         helper = with_full_kv(None)
     config = (config or RescueConfig(max_context=min(base.n_ctx, helper.n_ctx))).validate()
     sampler = Sampler(sampling or PAPER_SAMPLING)
-    base_ids = fit_prompt(base.tokenizer, problem, system, config.max_context)
-    helper_ids = fit_prompt(helper.tokenizer, problem, system, config.max_context)
+    base_ids = solve_ids(base, problem, system, config.max_context)
+    helper_ids = solve_ids(helper, problem, system, config.max_context)
+    settings = {"sampling": dataclasses.asdict(sampler.params), **(settings or {})}
     _, transcript = rescue_once(base, helper, scorer or HelperLikelihoodScorer(), sampler, config, problem,
-                                base_ids, helper_ids, {"sampling": dataclasses.asdict(sampler.params)},
-                                observers=(on_event,) if on_event else (), stop_requested=stop_requested)
+                                base_ids, helper_ids, settings, observers=(on_event,) if on_event else (),
+                                stop_requested=stop_requested)
     return transcript

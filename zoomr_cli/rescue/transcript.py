@@ -15,11 +15,11 @@ Summary fields (tokens are in each model's own vocabulary):
 
 from __future__ import annotations
 
+from zoomr.kvstore.events import Event
 from zoomr.rescue.events import (
     CandidateAborted,
     CandidateStarted,
     CandidateToken,
-    Event,
     KVSnapshot,
     RunFinished,
     RunStarted,
