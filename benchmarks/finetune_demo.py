@@ -24,7 +24,7 @@ cell): ``--resume`` continues it, ``--report-only`` summarizes what is there.
         [--window 128] [--out demo_out] [--resume] [--report-only] [--json out.json|-]
 
 The untied demo (issue 28) runs it on a fine-tune of ``benchmarks/untie_model.py``'s untied copy of the
-embedded model, with that copy as ``-m BASE`` (README "Fine-tuning" has the commands).
+embedded model, with that copy as ``-m BASE`` (docs/finetune.md "Measured: an untied head" has the commands).
 """
 
 from __future__ import annotations

@@ -100,14 +100,14 @@ def run_mode(base, helper, batched: bool, args) -> dict:
     from zoomr.backends.sampling import Sampler, SamplingParams
     from zoomr.prompts import solve_prompt
     from zoomr.rescue.engine import Engine
-    from zoomr.rescue.events import EventStream
+    from zoomr.kvstore.events import EventBus
     from zoomr.rescue.loop import RescueConfig, RescueLoop
     from zoomr.rescue.scorers import HelperLikelihoodScorer
     from zoomr.rescue.transcript import Transcript
 
     import copy
 
-    events, tr = EventStream(), Transcript()
+    events, tr = EventBus(), Transcript()
     events.subscribe(tr)
     config = RescueConfig(args.nb, args.nh, args.step_tokens, args.steps, 4096, batched=batched)
     # fresh views of the two backends (weights shared): the probe wraps their methods for this run only

@@ -46,6 +46,49 @@ def test_solve_prompt_applies_the_chat_template(torch_backend):
     assert "<|im_start|>" not in tok.decode(encode_rendered(tok, "What is 2 + 3?"))
 
 
+def test_solve_asks_for_summaries_as_the_cli_does(torch_backend):
+    """``summaries="prompted"`` under sumr/zoomr: zoomr.solve appends the summary instruction to the system
+    message itself (zoomr.solving.solve_ids, the function the CLI's solve and rescue go through)."""
+    from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+    from zoomr.prompts import system_with_summaries
+    from zoomr.solving import solve_ids
+
+    tok, problem = torch_backend.tokenizer, "What is 2 + 3?"
+    for policy in ("zoomr", "sumr"):
+        backend = torch_backend.with_cache_factory(PolicyCacheFactory(PolicySpec(policy, window=16,
+                                                                                 summaries="prompted")))
+        asked = zoomr.solve_prompt(tok, problem, system_with_summaries("Be brief.", policy, "prompted"))
+        assert solve_ids(backend, problem, "Be brief.") == asked != zoomr.solve_prompt(tok, problem, "Be brief.")
+        assert zoomr.solve(backend, problem, system="Be brief.", n_predict=1).record()["prompt_tokens"] == len(asked)
+    # the policy's own default (auto), full KV, and a cache factory with no spec: the system message as given
+    auto = torch_backend.with_cache_factory(PolicyCacheFactory(PolicySpec("zoomr", window=16)))
+    custom = torch_backend.with_cache_factory(lambda backend: PolicyCacheFactory(PolicySpec("zoomr", window=16,
+                                                                                       summaries="prompted"))(backend))
+    for backend in (auto, torch_backend, custom):
+        assert solve_ids(backend, problem) == zoomr.solve_prompt(tok, problem)
+
+
+@pytest.mark.slow
+def test_library_solve_and_the_cli_send_the_same_prompt():
+    """``zoomr solve --policy sumr --summaries prompted`` and zoomr.solve on the model zoomr.load builds with
+    the same flags: the same prompt, hence (greedy) the same text, on both backends."""
+    import json
+
+    from conftest import zoomr as run_zoomr
+
+    problem, knobs = "What is 2 + 3?", {"policy": "sumr", "summaries": "prompted", "window": 16}
+    for backend in ("torch", "llamacpp"):
+        r = run_zoomr("solve", "-p", problem, "--system", "Be brief.", "--backend", backend, "--policy", "sumr",
+                      "--summaries", "prompted", "--window", "16", "-n", "8", "-t", "1", "--no-live", "--json", "-")
+        assert r.returncode == 0, r.stderr
+        cli = json.loads(r.stdout)
+        model = zoomr.load(backend=backend, threads=1, **knobs)
+        lib = zoomr.solve(model, problem, system="Be brief.", n_predict=8).record()
+        assert (lib["prompt_tokens"], lib["text"], lib["model"]) == (cli["prompt_tokens"], cli["text"], cli["model"])
+        plain = zoomr.solve_prompt(model.tokenizer, problem, "Be brief.")
+        assert lib["prompt_tokens"] > len(plain)   # the instruction was added
+
+
 def test_load_refuses_bad_options_before_loading_a_model():
     with pytest.raises(TypeError, match="temp"):
         zoomr.load(temp=0.7)
@@ -67,14 +110,17 @@ def test_make_policy_builds_a_fresh_policy_with_its_knobs():
         zoomr.make_policy("h2o", frobnicate=1)
 
 
-def test_readme_python_section_uses_only_exported_names():
+def test_readme_python_section_and_library_page_use_only_exported_names():
+    """README's "Using zoomr from Python" snippet and docs/library.md name only exported names, and together
+    (the snippet, the page, the page's list of the rest) they name every one."""
     import re
 
     from conftest import ROOT
 
     section = (ROOT / "README.md").read_text().split("## Using zoomr from Python", 1)[1].split("\n## ", 1)[0]
+    page = (ROOT / "docs" / "library.md").read_text()
     # top-level names only: a dotted module path (zoomr.backends.sampling.sample_batch) is a submodule's API
-    used = set(re.findall(r"\bzoomr\.(\w+)\b(?!\.)", section)) - {"__all__"}
+    used = set(re.findall(r"\bzoomr\.(\w+)\b(?!\.)", section + page)) - {"__all__"}
     assert used and used <= set(zoomr.__all__), used - set(zoomr.__all__)
-    listed = set(re.findall(r"`(\w+)`", section.split("`zoomr.__all__` lists the rest:", 1)[1]))
+    listed = set(re.findall(r"`(\w+)`", page.split("`zoomr.__all__` lists the rest:", 1)[1]))
     assert listed | used == set(zoomr.__all__), set(zoomr.__all__) ^ (listed | used)

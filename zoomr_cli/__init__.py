@@ -36,6 +36,7 @@ _EXPORTS = {
     "RescueConfig": "zoomr.rescue.loop",
     "DetectorConfig": "zoomr.rescue.degeneration",
     "load_problems": "zoomr.evaluation.datasets",
+    "bench": "zoomr.evaluation.runner",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -11,14 +11,14 @@ import dataclasses
 from zoomr.backends.base import Backend
 from zoomr.factory import build_backend
 from zoomr.kvstore.policy import KVPolicy
-from zoomr.kvstore.registry import REGISTRY, PolicySpec, knob_flags
+from zoomr.kvstore.registry import REFERENCE, REGISTRY, PolicySpec, knob_flags
 from zoomr.options import RunOptions
 
 # RunOptions fields that belong to one generation (zoomr.solve's arguments), not to the loaded model
 _GENERATION = {"n_predict", "temp", "top_k", "top_p", "seed", "ignore_eos"}
 
 
-def load(model: str | None = None, *, policy: str = "full", backend: str = "torch", **options) -> Backend:
+def load(model: str | None = None, *, policy: str = REFERENCE, backend: str = "torch", **options) -> Backend:
     """Load a model with a KV policy (what ``zoomr solve -m MODEL --backend B --policy P ...`` loads).
 
     Args:
@@ -29,8 +29,8 @@ def load(model: str | None = None, *, policy: str = "full", backend: str = "torc
         backend: ``torch`` (every policy) or ``llamacpp``.
         **options: the other model settings, named as :class:`zoomr.options.RunOptions` fields
             (``ctx_size`` in tokens, ``threads``, ``device``, ``dtype``, ``quant``, ``kv_dtype``, ``compile``,
-            ``n_gpu_layers``), and the policy's knobs, named as its flags (``budget``, ``window``, ...: README's
-            policy table).
+            ``n_gpu_layers``), and the policy's knobs, named as its flags (``budget``, ``window``, ...: the
+            policy table in docs/policies.md).
     Returns:
         a :class:`zoomr.backends.base.Backend` (prefill, decode, fork, free, kv_stats; pass it to
         :func:`zoomr.solve` or :func:`zoomr.run_rescue`).
@@ -59,7 +59,7 @@ def make_policy(name: str, **knobs) -> KVPolicy:
 
     Args:
         name: one of :data:`zoomr.POLICIES`.
-        **knobs: that policy's knobs (its config's fields: README's policy table gives each policy's, with
+        **knobs: that policy's knobs (its config's fields: docs/policies.md's table gives each policy's, with
             defaults and their sources).
     Raises:
         TypeError: a knob the policy does not have.

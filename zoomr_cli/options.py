@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from zoomr.backends.sampling import SamplingParams
 from zoomr.errors import UserError
-from zoomr.kvstore.registry import knob_flags, policy_info
+from zoomr.kvstore.registry import REFERENCE, knob_flags, policy_info
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RunOptions:
     top_p: float = 0.95
     seed: int = 0
     ignore_eos: bool = False
-    policy: str = "full"
+    policy: str = REFERENCE
     knobs: dict[str, Any] = field(default_factory=dict)
 
     def knob(self, name: str) -> Any:

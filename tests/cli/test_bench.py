@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, sigint_default, wait_for, zoomr_cmd
-from zoomr.cli.bench import plan_cells
+from zoomr.evaluation.bench_plan import plan_cells
 from zoomr.evaluation.records import RecordLog
 from zoomr.evaluation.metrics import FidelityMeter, recovered_fraction
 from zoomr.evaluation.rescue_cells import rescue_rows
@@ -102,8 +102,7 @@ def test_a_ctrl_c_right_after_a_records_fsync_still_reaches_the_summary(tmp_path
     """The race the subprocess test above can hit: SIGINT lands while ``append`` is in ``os.fsync``, so the
     KeyboardInterrupt fires after the line is durable but before it is in ``log.records``."""
     import zoomr.evaluation.records as records
-    from zoomr.cli.bench import _finish
-    from zoomr.cli.render import Output
+    from zoomr.evaluation.bench_finish import finish
 
     out = tmp_path / "o"
     out.mkdir()
@@ -121,7 +120,7 @@ def test_a_ctrl_c_right_after_a_records_fsync_still_reaches_the_summary(tmp_path
         log.append(rec)
     monkeypatch.setattr(records.os, "fsync", real)
     assert log.records == []  # the in-memory list missed it; the file has it
-    _finish(out, {"model": "m.gguf", "dataset": "gsm8k", "n_predict": 8}, log, Output(live=False))
+    finish(out, {"model": "m.gguf", "dataset": "gsm8k", "n_predict": 8}, log, lambda event: None, [])
     rows = json.loads((out / "summary.json").read_text())["rows"]
     assert [(r["policy"], r["budget"]) for r in rows] == [("full", None)]
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT
 from zoomr.backends.models import embedded_gguf
-from zoomr.evaluation.plots import FALLBACK_COLOURS, PALETTE, log_scale, policy_colour, trace_problem, write_plots
+from zoomr.evaluation.plots import FALLBACK_COLOURS, log_scale, policy_colour, trace_problem, write_plots
 from zoomr.evaluation.stats import bootstrap_mean_interval, cell_intervals, wilson_interval
 from zoomr.evaluation.provenance import PACKAGES, git_state, model_fingerprint, run_provenance
 
@@ -144,7 +144,7 @@ def test_write_plots_three_pngs_with_bars_and_palette(tmp_path):
     assert w > 1.8 * h  # two panels side by side: top-1 and KL
     # every policy is drawn in its own fixed colour, in every figure it appears in
     for p in paths:
-        assert _pixels_near(p, PALETTE["zoomr"]) > 20 and _pixels_near(p, PALETTE["rkv"]) > 20
+        assert _pixels_near(p, policy_colour("zoomr")) > 20 and _pixels_near(p, policy_colour("rkv")) > 20
 
 
 def test_palette_colour_follows_the_policy_not_the_run(tmp_path):
@@ -153,7 +153,7 @@ def test_palette_colour_follows_the_policy_not_the_run(tmp_path):
     write_plots(_rows(recs), recs, tmp_path / "a", META)
     # zoomr's colour is absent when zoomr did not run, and rkv keeps its colour with fewer policies around
     png = tmp_path / "a" / "accuracy_vs_kv.png"
-    assert _pixels_near(png, PALETTE["zoomr"]) == 0 and _pixels_near(png, PALETTE["rkv"]) > 20
+    assert _pixels_near(png, policy_colour("zoomr")) == 0 and _pixels_near(png, policy_colour("rkv")) > 20
     known = ["full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr", "rescue", "best-of-n"]
     assert len({policy_colour(p) for p in known}) == len(known)
     assert policy_colour("my-policy") in FALLBACK_COLOURS

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from conftest import ROOT, zoomr_cmd
-from zoomr.cli.bench import _match_table, _memory_table
+from zoomr.cli.bench_tables import match_table, memory_table
 from zoomr.evaluation.batching import run_cell
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem, load_problems
@@ -49,7 +49,7 @@ def test_bench_record_summary_and_memory_table_carry_policy_state(torch_backend)
     assert row["saving"] == pytest.approx(rec["mean_full_bytes"] / (rec["mean_active_bytes"]
                                                                     + rec["mean_policy_state_bytes"]), rel=1e-6)
     assert rec["saving"] == pytest.approx(row["saving"], abs=1e-3)
-    text = _render(_memory_table([row]))
+    text = _render(memory_table([row]))
     assert "state KiB" in text and f"{rec['policy_state_bytes'] / 1024:.1f}" in text
 
 
@@ -58,7 +58,7 @@ def test_matched_table_shows_mean_and_peak_side_by_side():
                        "tokens_generated": 9, "mean_active_tokens": 101.5, "peak_active_tokens": 140,
                        "budget_tokens": 40, "target_active_tokens": 100.0, "target_peak_active_tokens": 123,
                        "match_error": 0.015, "matched_within": True}])
-    text = _render(_match_table(rows))
+    text = _render(match_table(rows))
     assert "target peak" in text and "123" in text and "140" in text and "101.5" in text
 
 

@@ -13,4 +13,4 @@ def test_means_of_rounded_fields_read_as_written():
     assert json.dumps(row["decode_tok_s"]) == "3.3"          # np.mean gives 3.3000000000000003
     assert json.dumps(row["saving"]) == "3.1"                # 9.3 / 3.0 gives 3.1000000000000005
     assert row["accuracy"] == 0.333333333 and row["problems"] == 3
-    assert row["mean_full_bytes"] == 3.1 and row["mean_active_bytes"] == 1.0   # the README's names, in rows too
+    assert row["mean_full_bytes"] == 3.1 and row["mean_active_bytes"] == 1.0   # docs/bench.md's names, in rows too

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from zoomr.errors import UserError
+from zoomr.evaluation.bench_log import unwritable
 
 
 def read_text_input(path: str) -> str:
@@ -72,17 +73,6 @@ def check_writable(path: str | None) -> None:
         why = "permission denied"
     if why is not None:
         raise UserError(f"--json {path}: cannot write there ({why})")
-
-
-def unwritable(directory: Path) -> str | None:
-    """Why no file can be created in ``directory`` (the OS's words), or None when one can: a scratch file is
-    created and removed, since permission bits alone miss read-only mounts and say nothing for root."""
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".zoomr-probe-"):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
 
 
 def write_json(path: str, record: dict, indent: int) -> str:

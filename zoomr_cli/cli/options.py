@@ -61,7 +61,7 @@ _OPTION_DECLS = {
     "ignore_eos": (bool, typer.Option("--ignore-eos", help="Never sample end-of-sequence: generate -n tokens "
                                       "(long-context measurements; not the rescue loop).",
                                       rich_help_panel=PANEL_SAMPLING)),
-    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(policy_names())} (README: KV policies).",
+    "policy": (str, typer.Option("--policy", help=f"KV policy: {', '.join(policy_names())} (docs/policies.md).",
                                  rich_help_panel=PANEL_KV)),
 }
 

@@ -6,21 +6,13 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+from zoomr.evaluation.records import BEST_OF_N, RESCUE
 from zoomr.evaluation.stats import cell_intervals
+from zoomr.kvstore.registry import REFERENCE, REGISTRY
 
-# One colour per policy in every figure (Okabe–Ito hues, colour-blind safe): full is the black reference, ZoomR the
-# strongest hue. Names outside this table get a fallback colour picked from a stable hash of the name.
-PALETTE = {
-    "full": "#000000",
-    "streaming": "#8c8c8c",
-    "h2o": "#56b4e9",
-    "snapkv": "#009e73",
-    "rkv": "#e69f00",
-    "sumr": "#0072b2",
-    "zoomr": "#d55e00",
-    "rescue": "#7b3294",
-    "best-of-n": "#cc79a7",
-}
+# One colour per policy in every figure: a policy's is its registry row's (``PolicyInfo.colour``), the rescue
+# cells' are these; names without one get a fallback colour picked from a stable hash of the name.
+CELL_COLOURS = {RESCUE: "#7b3294", BEST_OF_N: "#cc79a7"}
 FALLBACK_COLOURS = ("#8c564b", "#bcbd22", "#17becf", "#1b9e77", "#e7298a", "#66a61e", "#a6761d", "#386cb0")
 BUDGET_STYLES = ("-", "--", ":", "-.")
 LOG_SPAN = 8.0  # an axis spanning more than this ratio is drawn on a log scale
@@ -32,7 +24,13 @@ def policy_colour(policy: str) -> str:
     crc32 rather than ``hash()``: Python salts string hashes per process, and a colour must not change between
     two plots of the same bench.
     """
-    return PALETTE.get(policy) or FALLBACK_COLOURS[zlib.crc32(policy.encode()) % len(FALLBACK_COLOURS)]
+    return _palette().get(policy) or FALLBACK_COLOURS[zlib.crc32(policy.encode()) % len(FALLBACK_COLOURS)]
+
+
+def _palette() -> dict[str, str]:
+    """{name: colour} of the policies with a colour, in registry order, then the rescue cells'. Read at each
+    call: a policy registered after import (``register``) is in it."""
+    return {**{name: info.colour for name, info in REGISTRY.items() if info.colour}, **CELL_COLOURS}
 
 
 def plot_title(meta: dict) -> str:
@@ -47,7 +45,8 @@ def plot_title(meta: dict) -> str:
 def _policy_order(policies) -> list[str]:
     """Palette order first (the same legend order in every figure), then unknown names as first seen."""
     seen = list(dict.fromkeys(policies))
-    return [p for p in PALETTE if p in seen] + [p for p in seen if p not in PALETTE]
+    palette = _palette()
+    return [p for p in palette if p in seen] + [p for p in seen if p not in palette]
 
 
 def log_scale(values: list[float]) -> bool:
@@ -141,9 +140,9 @@ def _save(fig, path: Path) -> Path:
 def _accuracy_plot(plt, rows, ci, title, bars: bool, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.0, 4.4))
     xs = _series(ax, rows, ci, "accuracy")
-    full = [r["accuracy"] for r in rows if r["policy"] == "full" and r["accuracy"] is not None]
+    full = [r["accuracy"] for r in rows if r["policy"] == REFERENCE and r["accuracy"] is not None]
     if full:  # the reference level across the whole KV range
-        ax.axhline(full[0], color=PALETTE["full"], linestyle=":", linewidth=0.8, alpha=0.6)
+        ax.axhline(full[0], color=policy_colour(REFERENCE), linestyle=":", linewidth=0.8, alpha=0.6)
     _finish_axes(ax, xs, rows, "accuracy (pass@1)", "no accuracy recorded")
     ax.set_ylim(-0.03, 1.03)  # a fraction: always the whole 0–1 range, so runs compare by eye
     ax.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])

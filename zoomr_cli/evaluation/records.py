@@ -11,6 +11,8 @@ from pathlib import Path
 
 REQUIRED = {"problem_id", "policy", "budget", "correct", "mean_active_tokens", "tokens_generated"}
 MATCHED = "matched"  # the budget of a matched-budget cell (chosen per problem, see zoomr bench --match-budget)
+# the policy names of bench --rescue's cells (zoomr.evaluation.rescue_cells): not policies of the registry
+RESCUE, BEST_OF_N = "rescue", "best-of-n"
 
 
 def _number(v) -> bool:

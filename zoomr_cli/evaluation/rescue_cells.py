@@ -61,10 +61,13 @@ from zoomr.backends.sampling import Sampler
 
 from zoomr.evaluation.match import match_fields, predict_budget
 from zoomr.evaluation.metrics import recovered_fraction
+from zoomr.evaluation.bench_cells import cell_policy
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem
+from zoomr.evaluation.records import BEST_OF_N, RESCUE
 from zoomr.factory import policy_spec, with_policy
 from zoomr.grading import grade
+from zoomr.kvstore.registry import REFERENCE, matched_target
 from zoomr.options import RunOptions
 from zoomr.rescue.loop import RescueConfig
 from zoomr.rescue.runner import build_helper, rescue_once
@@ -72,7 +75,6 @@ from zoomr.rescue.plan import RescueOptions, RescuePlan, for_flag, plan_rescue
 from zoomr.rescue.transcript import Transcript
 from zoomr.rescue.scorers import build_scorer
 
-RESCUE, BEST_OF_N = "rescue", "best-of-n"
 
 
 def rescue_sampling(opts: RunOptions):
@@ -106,8 +108,11 @@ class RescueCells:
         UserError / ValueError: a bad helper or PRM (one line, before any cell runs).
     """
 
-    def __init__(self, base, opts: RunOptions, plan: RescuePlan):
+    def __init__(self, base, opts: RunOptions, plan: RescuePlan, factories: dict | None = None):
         self.plan, self.opts, self.base = plan, opts, base
+        # the base policy's validated cache factory per budget (zoomr.evaluation.bench_plan.validate_cells):
+        # each problem reuses it instead of building the policy again
+        self.factories = factories or {}
         self.sampling = rescue_sampling(opts)
         self.scorer = for_flag("--prm", build_scorer, plan.prm, opts.device, opts.dtype)
         self.helper = for_flag("--helper", build_helper, base, plan.helper_opts)
@@ -144,7 +149,11 @@ class RescueCells:
         Raises:
             KeyboardInterrupt: Ctrl-C during the cell (nothing of it is recorded).
         """
-        base = with_policy(self.base, replace(self.opts, policy=self.plan.base_opts.policy).with_knobs(budget=budget))
+        key = cell_policy(policy, budget, self.plan.base_opts.policy)
+        if key in self.factories:
+            base = self.base.with_cache_factory(self.factories[key])
+        else:   # a matched budget, chosen for this problem
+            base = with_policy(self.base, replace(self.opts, policy=key[0]).with_knobs(budget=budget))
         helper_ids = problem_prompt(self.helper.tokenizer, problem, self.opts.ctx_size)
         config = self.config(policy, n_predict)
         self.scorer.reset_kv_peak()
@@ -197,7 +206,8 @@ class RescueCells:
         budget, simulated = predict_budget(spec, float(zoomr["mean_active_tokens"]), len(base_ids),
                                            int(zoomr["tokens_generated"]))
         rec = self.run(policy, budget, problem, base_ids, n_predict)
-        kept = "single try at the B predicted for zoomr's lengths (a sampled cell: no selection between tries)"
+        kept = (f"single try at the B predicted for {matched_target()}'s lengths (a sampled cell: no selection "
+                "between tries)")
         rec.update(match_fields(zoomr, budget, simulated, rec["mean_active_tokens"], 1, kept))
         return rec
 
@@ -290,7 +300,7 @@ def rescue_rows(rows: list[dict]) -> list[dict]:
     method_kv_bytes_mean_rescue, method_kv_bytes_mean_best_of_n (bytes; None when the rows lack them).
     """
     by = {(r["policy"], r["budget"]): r for r in rows}
-    full = by.get(("full", None))
+    full = by.get((REFERENCE, None))
     out = []
     for budget in dict.fromkeys(r["budget"] for r in rows if r["policy"] == RESCUE):
         res, bon = by[(RESCUE, budget)], by.get((BEST_OF_N, budget))

@@ -11,6 +11,7 @@ from zoomr.backends.chat_prompt import encode_chat
 from zoomr.backends.generation import GenerationStats, generate_batch
 from zoomr.backends.sampling import Sampler, SamplingParams
 from zoomr.errors import UserError
+from zoomr.kvstore.registry import REFERENCE
 
 from .augment import SUMMARY_PROMPT
 
@@ -34,7 +35,7 @@ class Summarizer:
             from zoomr.loading import load
 
             try:
-                backend = load(model, policy="full", backend="torch", device=device, dtype=dtype, ctx_size=2048)
+                backend = load(model, policy=REFERENCE, backend="torch", device=device, dtype=dtype, ctx_size=2048)
             except (ValueError, OSError) as e:
                 raise UserError(f"--summarizer {model or 'default'}: {e}") from None
         self.backend = backend
