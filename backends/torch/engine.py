@@ -361,8 +361,9 @@ class TorchBackend:
         return TorchSequence(make() if make is not None else seq.cache.fork(), list(seq.tokens))
 
     def free(self, seq: TorchSequence) -> None:
-        """Drop the cache tensors of ``seq``."""
-        seq.cache = self.cache_factory(self)
+        """Drop the cache tensors of ``seq``; it is left holding an empty full-KV cache (no policy state), so
+        freeing never builds a policy."""
+        seq.cache = _full_cache(self)
         seq.tokens = []
 
     def kv_stats(self, seq: TorchSequence) -> KVStats:
