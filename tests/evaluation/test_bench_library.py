@@ -50,8 +50,9 @@ def test_library_bench_equals_the_cli_and_builds_each_cell_once(tmp_path, monkey
     summary = json.loads((out / "summary.json").read_text())
     assert summary == {"config": result["config"], "rows": result["rows"]} and result["out"] == out
     kinds = [type(e) for e in events]
-    assert kinds[:3] == [ev.Loading, ev.Loaded, ev.BenchStarted] and kinds[-2:] == [ev.SummaryWritten,
-                                                                                   ev.BenchFinished]
+    assert kinds[:3] == [ev.Loading, ev.Loading, ev.BenchStarted] and kinds[-2:] == [ev.SummaryWritten,
+                                                                                    ev.BenchFinished]
+    assert events[:2] == [ev.Loading("model"), ev.Loading("model", ended=True)]
     started = events[2]
     assert started.model and (started.total, started.done, started.problems) == (2, 0, 1)
     # checked builds: full's once for its cell and once for the model load; rkv B=16 once for the whole bench

@@ -46,6 +46,13 @@ def bench(
                                             "a finished one leaves and the next joins. Records equal -np 1's under greedy "
                                             "--dtype fp32 (elsewhere up to float rounding). Each "
                                             "sequence has its own cache: N is bounded by free memory, not -c.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="auto|ADDRESS", help="Run the cells on Ray workers "
+                                               "(pip install 'zoomr\\[ray]'): auto starts Ray on this machine, "
+                                               "HOST:PORT joins a cluster (ray start --head). This process stays "
+                                               "the only writer; --resume works as without.")] = None,
+    ray_workers: Annotated[Optional[int], typer.Option("--ray-workers", help="Ray workers, each loading the "
+                                                       "model once (default: one per GPU, else one per -t CPUs; "
+                                                       "-t defaults to 1 per worker).")] = None,
     show_datasets: Annotated[bool, typer.Option("--list-datasets", help="List the data set names found here "
                                                 "(problems, source, fields) and exit.")] = False,
     *,
@@ -69,7 +76,7 @@ def bench(
     try:
         run_bench(opts, chosen, budget, dataset=dataset, limit=limit, out=out_dir, resume=resume,
                   match_budget=match_budget, fidelity=fidelity, n_parallel=n_parallel,
-                  rescue=rescue if rescue.rescue else None, on_event=view)
+                  rescue=rescue if rescue.rescue else None, on_event=view, ray=ray, ray_workers=ray_workers)
     except KeyboardInterrupt:
         if view.out is not None:   # cells ran and the summary of what finished is written
             ui.info(f"interrupted: finished cells are kept in {view.out}; the same command with --resume runs the rest")
@@ -91,7 +98,7 @@ class _View:
                                  TimeElapsedColumn())
         self.task = self.progress.add_task("bench", total=0)
         self.draw = {ev.Info: lambda e: ui.info(e.text), ev.Warning: lambda e: ui.info(f"warning: {e.text}"),
-                     ev.Loading: self._loading, ev.Loaded: lambda e: self.status.__exit__(None, None, None),
+                     ev.Loading: self._loading,
                      ev.BenchStarted: self._started, ev.CellFinished: self._recorded,
                      ev.BatchStarted: lambda e: self._describe(f"{e.cells} cells · -np {e.n_parallel}"),
                      ev.CellStarted: lambda e: self._describe(f"{e.problem_id} · {e.policy} B={e.budget}"),
@@ -101,6 +108,9 @@ class _View:
         self.draw[type(event)](event)
 
     def _loading(self, e: ev.Loading) -> None:
+        if e.ended:
+            self.status.__exit__(None, None, None)
+            return
         helper = e.what == "helper"
         self.status = self.ui.status("loading helper and scorer…") if helper else loading(self.ui, self.opts)
         self.status.__enter__()

@@ -3,7 +3,7 @@
 The bench engine prints nothing; the CLI (``zoomr bench``) turns these into its stderr lines, progress bar,
 live table and final tables, and a library caller may log or ignore them. A run emits, in order:
 :class:`Info` lines (which knob applies to which policies), a :class:`Warning` if ``resume`` found no records,
-:class:`Loading`/:class:`Loaded` around each model load (none when every cell is recorded already),
+:class:`Loading` at the start and end of each model load (none when every cell is recorded already),
 :class:`BenchStarted`, then per batch :class:`BatchStarted` and per matched or rescue cell :class:`CellStarted`,
 a :class:`CellFinished` per record written, and at the end (also after an error or Ctrl-C)
 :class:`SummaryWritten`, the closing :class:`Warning` lines and :class:`BenchFinished`.
@@ -35,17 +35,12 @@ class Warning(BenchEvent):   # shadows the builtin in this module only: bench_ev
 
 @dataclass(frozen=True)
 class Loading(BenchEvent):
-    """A model starts loading: ``what`` is ``"model"`` (the bench's model) or ``"helper"`` (KV-Rescue's helper
-    and scorer). :class:`Loaded` follows, also when loading fails."""
+    """A model load starts (``ended`` False) or ends (``ended`` True, also when it failed): ``what`` is
+    ``"model"`` (the bench's model, or its Ray workers loading it) or ``"helper"`` (KV-Rescue's helper and
+    scorer). Every start has its end."""
 
     what: str
-
-
-@dataclass(frozen=True)
-class Loaded(BenchEvent):
-    """The load announced by :class:`Loading` ended (done or failed)."""
-
-    what: str
+    ended: bool = False
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ def open_log(out: Path, config: dict, resume: bool) -> RecordLog:
         diff = [k for k in config if k in old and old[k] != config[k]]
         if diff:
             raise UserError(f"--resume: settings differ from the run in {out} ({', '.join(diff)})")
-        config.update({k: v for k, v in old.items() if k not in config})
+        # which Ray workers ran the old cells is no setting: this run records its own (or none)
+        config.update({k: v for k, v in old.items() if k not in config and k != "workers"})
     log = RecordLog(rec_path)
     if log.records and not cfg_path.exists():
         raise UserError(f"--resume: {out} holds records but no config.json, so its settings cannot be checked; "

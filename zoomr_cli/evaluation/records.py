@@ -183,10 +183,12 @@ def write_config(path: Path, config: dict) -> None:
 
 
 TIMING_FIELDS = ("decode_tok_s", "prefill_tok_s", "wall_s")  # seconds-derived: differ run to run
+WORKER_FIELDS = ("worker_host", "worker_pid")  # which Ray worker ran a cell (zoomr bench --ray): differ run to run
 
 
 def record_differences(a: list[dict], b: list[dict], kl_rel: float = 1e-4) -> list[str]:
-    """How two benches' records of the same cells differ, in any order, timings (:data:`TIMING_FIELDS`) aside.
+    """How two benches' records of the same cells differ, in any order, timings (:data:`TIMING_FIELDS`) and the
+    Ray worker that ran each cell (:data:`WORKER_FIELDS`) aside.
 
     ``fidelity_kl`` may differ by ``kl_rel`` relative (and 1e-9 nats): a float64 sum over logits whose last
     bits depend on the batch's matmul shapes, which is what ``-np`` changes.
@@ -203,7 +205,7 @@ def record_differences(a: list[dict], b: list[dict], kl_rel: float = 1e-4) -> li
     for k in ka.keys() & kb.keys():
         for field in sorted(ka[k].keys() | kb[k].keys()):
             x, y = ka[k].get(field), kb[k].get(field)
-            if field in TIMING_FIELDS or x == y:
+            if field in TIMING_FIELDS + WORKER_FIELDS or x == y:
                 continue
             if field == "fidelity_kl" and _number(x) and _number(y) and abs(x - y) <= max(1e-9, kl_rel * abs(x)):
                 continue

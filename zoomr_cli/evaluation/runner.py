@@ -9,28 +9,25 @@ goes to ``on_event`` as :mod:`zoomr.evaluation.bench_events`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
-from zoomr.factory import build_backend
-from zoomr.kvstore.registry import REFERENCE, knob_flags, policy_names
+from zoomr.errors import UserError
+from zoomr.kvstore.registry import knob_flags, policy_names
 from zoomr.options import RunOptions
 from zoomr.rescue.plan import RescueOptions
 
 from zoomr.evaluation import bench_events as ev
-from zoomr.evaluation.batching import check_parallel, run_cells
-from zoomr.evaluation.bench_cells import problem_cells, run_matched, runs_later, target_record
 from zoomr.evaluation.bench_finish import finish
 from zoomr.evaluation.bench_log import check_provenance, open_log, remove_if_empty
-from zoomr.evaluation.bench_plan import MATCHED, BenchPlan, plan_bench
-from zoomr.evaluation.cells import problem_prompt
+from zoomr.evaluation.bench_plan import BenchPlan, plan_bench
+from zoomr.evaluation.bench_units import Put, load_models, loading, pending, run_problems
 from zoomr.evaluation.datasets import Problem
 from zoomr.evaluation.provenance import run_provenance
+from zoomr.evaluation.ray_bench import RayBench
 from zoomr.evaluation.records import RecordLog, record_key, write_config
-from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells
 
 BENCH_N_PREDICT = 256  # zoomr bench's -n default: shorter than solve's, a bench runs many cells
 
@@ -40,7 +37,8 @@ def bench(model: str | None = None, *, policies: Sequence[str] | str | None = No
           out: str | Path | None = None, resume: bool = False, match_budget: bool = False, fidelity: bool = True,
           n_parallel: int = 1, rescue: RescueOptions | None = None,
           on_record: Callable[[dict], None] | None = None,
-          on_event: Callable[[ev.BenchEvent], None] | None = None, **options) -> dict:
+          on_event: Callable[[ev.BenchEvent], None] | None = None, ray: str | None = None,
+          ray_workers: int | None = None, **options) -> dict:
     """Compare KV policies on a data set: what ``zoomr bench`` runs, from Python.
 
     Args:
@@ -57,6 +55,12 @@ def bench(model: str | None = None, *, policies: Sequence[str] | str | None = No
         rescue: KV-Rescue cells (and eviction-only best-of-N) at every budget, with these settings; None: none.
         on_record: called with each record the moment it is appended (fsynced) to ``records.jsonl``.
         on_event: called with every :class:`zoomr.evaluation.bench_events.BenchEvent`, on this thread.
+        ray: run the cells on Ray workers (:mod:`zoomr.evaluation.ray_bench`): ``"auto"`` starts a local Ray
+            instance, ``"HOST:PORT"`` or ``"ray://HOST:PORT"`` joins a running cluster (or the one this process
+            already joined with ``ray.init``); None: in this process. Records equal a local run's under greedy
+            fp32, plus ``worker_host`` and ``worker_pid``; this process stays the only writer.
+        ray_workers: Ray workers to start (None: one per GPU, else one per ``threads`` CPUs, 1 thread each
+            when ``threads`` is not given).
         **options: :class:`zoomr.options.RunOptions` fields (``n_predict`` tokens, default 256; ``ctx_size``,
             ``dtype``, ``seed``, ``temp``, ``ignore_eos``, ...) and the policies' knobs named as their flags
             (``window``, ``segment_tokens``, ...: docs' policy table); each policy reads only its own knobs.
@@ -67,7 +71,8 @@ def bench(model: str | None = None, *, policies: Sequence[str] | str | None = No
     Raises:
         TypeError: an unknown option, or ``budget`` (the budgets are ``budgets``).
         zoomr.errors.UserError: a bad policy list, budget, knob, option, data set or output folder, a prompt
-            over ``ctx_size``; ValueError: a bad model (zoomr.backends.models.ModelNotFound) or data file.
+            over ``ctx_size``; ``ray`` without Ray installed, an address nobody answers at, more workers than
+            the cluster fits; ValueError: a bad model (zoomr.backends.models.ModelNotFound) or data file.
         KeyboardInterrupt: the finished cells are kept, and ``summary.json`` holds them.
     """
     opts = bench_options(model, options)
@@ -77,7 +82,7 @@ def bench(model: str | None = None, *, policies: Sequence[str] | str | None = No
     return run_bench(opts, names, budgets, dataset=dataset, limit=limit, out=out, resume=resume,
                      match_budget=match_budget, fidelity=fidelity, n_parallel=n_parallel,
                      rescue=None if rescue is None else replace(rescue, rescue=True), on_record=on_record,
-                     on_event=on_event)
+                     on_event=on_event, ray=ray, ray_workers=ray_workers)
 
 
 def bench_options(model: str | None, options: dict) -> RunOptions:
@@ -103,12 +108,17 @@ def run_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int] 
               dataset: str = "gsm8k", limit: int | None = None, out: str | Path | None = None, resume: bool = False,
               match_budget: bool = False, fidelity: bool = True, n_parallel: int = 1,
               rescue: RescueOptions | None = None, on_record: Callable[[dict], None] | None = None,
-              on_event: Callable[[ev.BenchEvent], None] | None = None) -> dict:
+              on_event: Callable[[ev.BenchEvent], None] | None = None, ray: str | None = None,
+              ray_workers: int | None = None) -> dict:
     """:func:`bench` with its model settings already parsed into ``opts`` (``opts.policy`` and the budget are
     not read: the cells choose them). ``rescue``: None for no rescue cells. Returns and raises as :func:`bench`."""
     emit = on_event or (lambda event: None)
+    if ray_workers is not None and ray is None:
+        raise UserError("--ray-workers sets the workers of a Ray bench: add --ray auto (or a cluster's address)")
     plan = plan_bench(opts, policies, budgets, dataset=dataset, limit=limit, out=out, match_budget=match_budget,
                       fidelity=fidelity, n_parallel=n_parallel, rescue=rescue)
+    # Ray's presence and the cluster's address are checked before the output folder is touched
+    cluster = None if ray is None else RayBench(ray, ray_workers)
     for line in plan.scope:
         emit(ev.Info(line))
     warnings: list[str] = []
@@ -119,112 +129,77 @@ def run_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int] 
         # a mistyped --out would otherwise start a long run silently where the user meant to finish one
         warnings.append(f"--resume: {out} holds no bench records yet; starting a new run there")
         emit(ev.Warning(warnings[-1]))
-    base = rescue_cells = None
-    prompts: dict[str, list[int]] = {}
+    models, describe, workers = None, None, []
+    left = _left(plan, log)
     try:
-        if _left(plan, log):
-            base, rescue_cells, prompts = _load_for(plan, log, emit)
+        if left:
+            models, describe, workers = _load(plan, left, cluster, emit)
     except BaseException:
+        if cluster is not None:
+            cluster.stop()
         if new_folder:  # refused before anything ran (a model that cannot load, -np too large): leave no folder
             remove_if_empty(out)
         raise
-    if base is not None:
+    if left:
+        if workers:   # where each cell ran: records name the worker, config.json says what each one was
+            plan.config["workers"] = [{k: w[k] for k in ("host", "pid", "device", "provenance")} for w in workers]
         # only now, with every model loaded, does the folder take this run's settings
         write_config(out / "config.json", plan.config)
     done = sum(record_key(p.id, c, b) in log.done for p in plan.problems for c, b in plan.cells)
-    emit(ev.BenchStarted(None if base is None else base.describe_model(), tuple(plan.policies), plan.rescue_base,
-                         plan.dataset, len(plan.problems), out, len(plan.problems) * len(plan.cells), done,
-                         log.records))
+    emit(ev.BenchStarted(describe, tuple(plan.policies), plan.rescue_base, plan.dataset, len(plan.problems), out,
+                         len(plan.problems) * len(plan.cells), done, log.records))
+    record = _recorder(plan, log, on_record, emit)
     try:
-        _run_cells(plan, base, rescue_cells, prompts, log, on_record, emit)
+        if left and cluster is not None:
+            cluster.run(plan, log, record, emit)
+        elif left:
+            run_problems(plan, models, left, log.done, log.records, record, emit)
     finally:
+        if cluster is not None:
+            cluster.stop()
         result = finish(out, plan.config, log, emit, warnings)  # also after an error: whatever finished
     return result
 
 
-def _left(plan: BenchPlan, log: RecordLog, problem: Problem | None = None) -> list:
-    """The cells not recorded yet, of ``problem`` (else of every problem) as (problem, policy, budget)."""
-    return [(p, c, b) for p in ([problem] if problem else plan.problems) for c, b in plan.cells
-            if record_key(p.id, c, b) not in log.done]
-
-
-@contextlib.contextmanager
-def _loading(emit, what: str):
-    """Announce a load as :class:`~zoomr.evaluation.bench_events.Loading`, and its end (also a failed one)."""
-    emit(ev.Loading(what))
-    try:
-        yield
-    finally:
-        emit(ev.Loaded(what))
-
-
-def _load_for(plan: BenchPlan, log: RecordLog, emit):
-    """The models a bench with cells left to run needs, and the prompts of its problems with cells left.
+def _load(plan: BenchPlan, left: list[Problem], cluster: RayBench | None, emit):
+    """Load the models here, or start the Ray workers that load them, and record the run's provenance.
 
     Returns:
-        (base backend running full KV, the rescue cells' models or None, {problem id: prompt ids}).
+        (the models loaded here or None, the model line, each Ray worker's description or []).
     Raises:
-        UserError / ValueError: a model that cannot load, a prompt over ``-c``, ``-np`` too large for memory.
+        UserError / ValueError: as :func:`zoomr.evaluation.bench_units.load_models` and :meth:`RayBench.start`;
+            UserError: a resumed run's model file differs.
     """
-    opts, rescue_cells = plan.opts, None
-    with _loading(emit, "model"):
-        # the loaded backend runs full KV (the reference); every cell swaps in its own policy
-        base = build_backend(replace(opts, policy=REFERENCE))
-    if plan.rescue_plan is not None:
-        with _loading(emit, "helper"):
-            rescue_cells = RescueCells(base, opts, plan.rescue_plan, plan.factories)
-    check_provenance(plan.config, run_provenance(base.source.path))
-    # every prompt left to run fits -c (and is valid text), for each model that prefills it
-    tokenizers = [base.tokenizer] + ([rescue_cells.helper.tokenizer] if rescue_cells is not None else [])
-    prompts = {p.id: [problem_prompt(t, p, opts.ctx_size) for t in tokenizers][0] for p in plan.problems
-               if _left(plan, log, p)}
-    check_parallel(plan.n_parallel, base, max(map(len, prompts.values())), opts.n_predict)
-    return base, rescue_cells, prompts
+    models, workers = None, []
+    if cluster is not None:
+        with loading(emit, "model"):
+            workers = cluster.start(plan, left, emit)
+        plural = "s" if len(workers) > 1 else ""
+        describe, provenance = f"{workers[0]['model']} · {len(workers)} Ray worker{plural}", workers[0]["provenance"]
+    else:
+        models = load_models(plan, left, emit)
+        describe, provenance = models.base.describe_model(), run_provenance(models.base.source.path)
+    check_provenance(plan.config, provenance)
+    return models, describe, workers
 
 
-def _run_cells(plan: BenchPlan, base, rescue_cells, prompts: dict, log: RecordLog, on_record, emit) -> None:
-    """Run every cell not recorded yet, appending each record as it finishes."""
-    opts, golds = plan.opts, {p.id: p.gold for p in plan.problems}
+def _left(plan: BenchPlan, log: RecordLog) -> list[Problem]:
+    """The problems with cells not recorded yet, in the plan's order."""
+    return [p for p in plan.problems if pending(plan, log.done, p)]
+
+
+def _recorder(plan: BenchPlan, log: RecordLog, on_record, emit) -> Put:
+    """The one writer of ``records.jsonl``: each finished cell becomes a record, appended and fsynced once
+    (a key already there, such as full KV run again as a fidelity reference, is dropped)."""
+    golds = {p.id: p.gold for p in plan.problems}
 
     def record(key: tuple, fields: dict, budget_tokens) -> None:
         problem_id, policy, b = key
         if record_key(problem_id, policy, b) in log.done:
-            return  # a reference rerun, recorded before
+            return
         log.append({"problem_id": problem_id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
                     "gold": golds[problem_id], **fields})
         if on_record is not None:
             on_record(log.records[-1])
         emit(ev.CellFinished(log.records[-1], log.records))
-
-    later_kinds = any(runs_later(p, b) for p, b in plan.cells)
-    # matched and rescue cells run one by one after their problem's batched cells (they need its matched
-    # target's record and reference), so problems then go through the batch one at a time
-    for chunk in ([[p] for p in plan.problems] if later_kinds else [plan.problems]):
-        batch, later, references = [], {}, {}
-        for problem in chunk:
-            pending = [(c, b) for _, c, b in _left(plan, log, problem)]
-            if pending:
-                batch += problem_cells(base, opts, problem, prompts[problem.id], plan.sampling, pending,
-                                       plan.fidelity, references if later_kinds else None, plan.factories)
-                later[problem.id] = [(p, b) for p, b in pending if runs_later(p, b)]
-        if batch:
-            emit(ev.BatchStarted(len(batch), plan.n_parallel))
-        run_cells(base, batch, plan.n_parallel, lambda c: record(c.key, c.fields(), c.key[2]))
-        for problem in chunk:
-            ids = prompts.get(problem.id)
-            ref_job = references.get(problem.id)
-            reference = None if ref_job is None else ref_job.reference
-            for policy, b in later.get(problem.id, []):
-                emit(ev.CellStarted(problem.id, policy, b))
-                if policy in (RESCUE, BEST_OF_N) and b == MATCHED:
-                    rec = rescue_cells.run_matched(policy, problem, ids, opts.n_predict,
-                                                   target_record(log.records, problem.id))
-                    budget_tokens = rec.pop("budget_tokens")
-                elif policy in (RESCUE, BEST_OF_N):
-                    budget_tokens = b
-                    rec = rescue_cells.run(policy, b, problem, ids, opts.n_predict)
-                else:
-                    rec = run_matched(base, opts, policy, problem, ids, plan.sampling, reference,
-                                      target_record(log.records, problem.id))
-                    budget_tokens = rec.pop("budget_tokens")
-                record((problem.id, policy, b), rec, budget_tokens)
+    return record
