@@ -22,6 +22,9 @@ from zoomr.evaluation.records import record_differences, record_key
 from zoomr.evaluation.runner import bench_options
 
 pytest.importorskip("ray")   # the test extra installs it; a checkout without it still runs the rest
+# one xdist worker runs them all (pytest -n with --dist loadgroup, as pyproject sets): each starts a 2-CPU
+# local Ray, and two at once would share the machine's two cores between four workers
+pytestmark = pytest.mark.xdist_group("ray")
 
 # greedy fp32, one thread per worker: records equal a local run's field by field
 SETTINGS = {"policies": ["full", "rkv"], "budgets": [16], "n_predict": 24, "dtype": "fp32", "threads": 1}
