@@ -18,6 +18,7 @@ from .cache import OFFLOAD_MODES, PolicyKVCache
 from .events import EventBus
 from .full import FullConfig, FullPolicy
 from .h2o import H2OConfig, H2OPolicy
+from .keydiff import KeyDiffConfig, KeyDiffPolicy
 from .knobs import Knob, KnobInfo, PolicyConfig, flag, knobs_of
 from .policy import KVPolicy
 from .rkv import RKVConfig, RKVPolicy
@@ -204,6 +205,9 @@ for _row in (
     PolicyInfo("rkv", RKVConfig, RKVPolicy, "per KV head top keys by attention mixed with key redundancy, "
                "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity", label="R-KV",
                colour="#e69f00", rescue_base_for=("torch",)),   # KV-Rescue's (arXiv:2608.15797) base policy
+    # KeyDiff's colour is Tol's wine: Okabe–Ito's last free hue is bench's best-of-n cells'
+    PolicyInfo("keydiff", KeyDiffConfig, KeyDiffPolicy, "per KV head the keys least like the head's mean key "
+               "direction + recent tokens, cut every 128 tokens (KeyDiff)", label="KeyDiff", colour="#882255"),
     PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
                "(ZoomR's SumR ablation)", backends=("torch", "llamacpp"), label="SumR", colour="#0072b2"),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "

@@ -8,6 +8,7 @@ from zoomr.backends.sampling import Sampler, SamplingParams, sample_batch
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.full import FullPolicy
 from zoomr.kvstore.h2o import H2OPolicy
+from zoomr.kvstore.keydiff import KeyDiffPolicy
 from zoomr.kvstore.registry import policy_names
 from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.kvstore.snapkv import SnapKVPolicy
@@ -26,10 +27,11 @@ SMALL = {
     "h2o": lambda: H2OPolicy(16),
     "snapkv": lambda: SnapKVPolicy(16, window=4, buffer=8),
     "rkv": lambda: RKVPolicy(16, window=4, buffer=8),
+    "keydiff": lambda: KeyDiffPolicy(16, window=4, buffer=8),
     "sumr": lambda: SumRPolicy(window=16, segment_tokens=16),
     "zoomr": lambda: ZoomRPolicy(window=16, topk=1, consensus=1, segment_tokens=16),
 }
-BUDGETED = ("streaming", "h2o", "snapkv", "rkv")
+BUDGETED = ("streaming", "h2o", "snapkv", "rkv", "keydiff")
 
 
 def test_every_torch_policy_has_a_small_setting_here():

@@ -154,7 +154,7 @@ def test_palette_colour_follows_the_policy_not_the_run(tmp_path):
     # zoomr's colour is absent when zoomr did not run, and rkv keeps its colour with fewer policies around
     png = tmp_path / "a" / "accuracy_vs_kv.png"
     assert _pixels_near(png, policy_colour("zoomr")) == 0 and _pixels_near(png, policy_colour("rkv")) > 20
-    known = ["full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr", "rescue", "best-of-n"]
+    known = ["full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr", "rescue", "best-of-n"]
     assert len({policy_colour(p) for p in known}) == len(known)
     assert policy_colour("my-policy") in FALLBACK_COLOURS
     # the fallback does not depend on the process's string-hash seed; importing the module loads no matplotlib

@@ -16,6 +16,7 @@ from zoomr.kvstore.base import FullKVCache
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.full import FullPolicy
 from zoomr.kvstore.h2o import H2OPolicy
+from zoomr.kvstore.keydiff import KeyDiffPolicy
 from zoomr.kvstore.host_store import HostKVStore
 from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.kvstore.snapkv import SnapKVPolicy
@@ -34,6 +35,7 @@ POLICIES = {
     "h2o": lambda: (H2OPolicy(8, 3), "resident"),
     "snapkv": lambda: (SnapKVPolicy(8, 3, buffer=4), "resident"),
     "rkv": lambda: (RKVPolicy(8, 2, buffer=4), "resident"),
+    "keydiff": lambda: (KeyDiffPolicy(8, 2, buffer=4), "resident"),
     "sumr": lambda: (SumRPolicy(4, segment_tokens=6), "resident"),
     "zoomr": lambda: (ZoomRPolicy(4, 2, 1, segment_tokens=6), "resident"),
 }
@@ -162,7 +164,7 @@ def test_fork_shares_the_stored_kv(name):
         assert child.active.n[0] == cache.active.n[0] == 1
 
 
-@pytest.mark.parametrize("name", ["full", "streaming", "h2o", "snapkv", "rkv"])
+@pytest.mark.parametrize("name", ["full", "streaming", "h2o", "snapkv", "rkv", "keydiff"])
 def test_a_policy_that_never_restores_keeps_no_host_copy(name):
     """Eviction-only policies (and full KV kept resident) hold their active set only: host memory does not
     grow with the context, and a fork has no host store to share."""

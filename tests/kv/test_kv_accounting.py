@@ -93,7 +93,7 @@ def test_meter_means_skip_the_prompt_and_forks_keep_history():
     assert fork.stats(1, 103, 10).mean_active_tokens == pytest.approx(17)
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "rkv"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "rkv", "keydiff"])
 def test_predicted_budget_matches_the_target_in_simulation(name):
     target, prompt, n = 150.0, 60, 600
     budget, simulated = predict_budget(PolicySpec(name), target, prompt, n)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from zoomr.kvstore.cache import PolicyKVCache
 from zoomr.kvstore.h2o import H2OPolicy
+from zoomr.kvstore.keydiff import KeyDiffPolicy
 from zoomr.kvstore.registry import PolicySpec
 from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.kvstore.snapkv import SnapKVPolicy
@@ -32,12 +33,14 @@ def make(name, budget, window, buffer):
         return SnapKVPolicy(budget, window, buffer=buffer)
     if name == "rkv":
         return RKVPolicy(budget, window, buffer=max(buffer, window))
+    if name == "keydiff":
+        return KeyDiffPolicy(budget, window, buffer=buffer)
     if name == "sumr":
         return SumRPolicy(window, "auto")
     return ZoomRPolicy(window, 2, 2, "auto")
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr"])
 @settings(max_examples=4, deadline=None)
 @given(budget=st.integers(4, 24), window_frac=st.floats(0.1, 0.9), buffer=st.integers(1, 24),
        n_prompt=st.integers(1, 40), texts=st.lists(st.sampled_from(PIECES), min_size=60, max_size=160),

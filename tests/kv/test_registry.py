@@ -57,12 +57,12 @@ def test_a_knob_out_of_range_is_one_value_error_naming_its_flag(name, knob_name)
 
 
 def test_shipped_table_and_derived_lists():
-    assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
-    assert budgeted() == ("streaming", "h2o", "snapkv", "rkv")
+    assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
+    assert budgeted() == ("streaming", "h2o", "snapkv", "rkv", "keydiff")
     assert policy_names("llamacpp") == ("full", "streaming", "sumr")
     assert evicting("llamacpp") == ("streaming", "sumr") and REFERENCE not in evicting()
     flags = knob_flags()
-    assert flags["window"].readers == ("streaming", "h2o", "snapkv", "rkv", "sumr", "zoomr")
+    assert flags["window"].readers == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
     assert flags["window"].default is None            # the readers differ: each keeps its own
     assert (flags["budget"].default, flags["sink"].default, flags["summaries"].default) == (64, 4, "auto")
     assert flags["sink"].readers == ("streaming",) and flags["topk_per_head"].flag == "--topk-per-head"
