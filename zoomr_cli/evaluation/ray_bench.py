@@ -3,8 +3,8 @@
 The driver (this process) is the bench's only writer: workers (:class:`~zoomr.evaluation.ray_worker.BenchWorker`
 actors, one per GPU or per ``-t`` CPU threads) load the models once and stream each finished cell back; the
 driver appends it to ``records.jsonl`` (fsynced, deduplicated by record key), draws progress and writes the
-summary. A problem is the unit of work (its matched and fidelity cells need its full-KV reference run, which
-stays on the worker that made it), handed out longest-expected-first as workers free up. A worker that dies
+summary. Whole problems are the unit of work (a problem's matched and fidelity cells need its full-KV
+reference run, which stays on the worker that made it), handed out longest-expected-first as workers free up. A worker that dies
 has its problem's unfinished cells handed to another; Ctrl-C kills the workers and keeps every finished record.
 Ray is an optional dependency (``pip install 'zoomr[ray]'``), imported only here and only when asked for.
 Sources: Ray's actor and streaming-generator APIs (docs.ray.io, "Ray Generators"); lm-evaluation-harness's
@@ -259,10 +259,14 @@ class RayBench:
                 self.started = False
 
     def _get(self, refs: list):
+        """``ray.get`` of the workers' loads. Raises: their errors as ours (:func:`_unwrapped`); RuntimeError
+        when a worker died before it answered (out of memory while loading, killed)."""
         try:
             return self.ray.get(refs)
         except self.ray.exceptions.RayTaskError as e:
             raise _unwrapped(e) from None
+        except self.ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"a Ray worker died while loading the model ({_first_line(e)})") from None
 
 
 def _unwrapped(error) -> BaseException:
