@@ -68,6 +68,18 @@ def test_ray_records_equal_a_local_run_and_name_their_worker(tmp_path, local):
 
 
 @pytest.mark.slow
+def test_matched_budget_cells_on_ray_equal_a_local_run(tmp_path):
+    # matched cells need their problem's full-KV reference and ZoomR's record: they stay on one worker
+    settings = {"policies": ["full", "rkv", "zoomr"], "match_budget": True, "limit": 2, "n_predict": 48,
+                "dtype": "fp32", "threads": 1, "segment_tokens": 16, "window": 8}
+    zoomr.bench(**settings, out=tmp_path / "local")
+    zoomr.bench(**settings, out=tmp_path / "ray", ray="auto", ray_workers=2)
+    local, ray = _records(tmp_path / "local"), _records(tmp_path / "ray")
+    assert len(local) == 6 and record_differences(local, ray) == []
+    assert sum(r["budget"] == "matched" for r in ray) == 2
+
+
+@pytest.mark.slow
 def test_a_killed_worker_has_its_cells_rerun_elsewhere_and_none_twice(tmp_path, local):
     killed, events = [], []
 
