@@ -17,7 +17,8 @@ from conftest import zoomr as cli
 from zoomr.errors import UserError
 from zoomr.evaluation import bench_events as ev
 from zoomr.evaluation.bench_plan import plan_bench
-from zoomr.evaluation.ray_bench import check_address, expected_cost, units
+from zoomr.evaluation.ray_bench import expected_cost, units
+from zoomr.evaluation.ray_cluster import check_address
 from zoomr.evaluation.records import record_differences, record_key
 from zoomr.evaluation.runner import bench_options
 

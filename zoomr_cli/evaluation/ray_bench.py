@@ -4,9 +4,10 @@ The driver (this process) is the bench's only writer: workers (:class:`~zoomr.ev
 actors, one per GPU or per ``-t`` CPU threads) load the models once and stream each finished cell back; the
 driver appends it to ``records.jsonl`` (fsynced, deduplicated by record key), draws progress and writes the
 summary. Whole problems are the unit of work (a problem's matched and fidelity cells need its full-KV
-reference run, which stays on the worker that made it), handed out longest-expected-first as workers free up. A worker that dies
-has its problem's unfinished cells handed to another; Ctrl-C kills the workers and keeps every finished record.
-Ray is an optional dependency (``pip install 'zoomr[ray]'``), imported only here and only when asked for.
+reference run, which stays on the worker that made it), handed out longest-expected-first as workers free
+up. A worker that dies has its unit's unfinished cells handed to another; Ctrl-C kills the workers and keeps
+every finished record. Ray is an optional dependency (``pip install 'zoomr[ray]'``), imported only by
+:mod:`zoomr.evaluation.ray_cluster` and only when asked for.
 Sources: Ray's actor and streaming-generator APIs (docs.ray.io, "Ray Generators"); lm-evaluation-harness's
 vLLM data-parallel path and R-KV's data parallelism shard the same way (one model replica per GPU).
 """
@@ -14,11 +15,7 @@ vLLM data-parallel path and R-KV's data parallelism shard the same way (one mode
 from __future__ import annotations
 
 import collections
-import contextlib
-import logging
 import os
-import socket
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,70 +25,11 @@ from zoomr.evaluation import bench_events as ev
 from zoomr.evaluation.bench_cells import runs_later
 from zoomr.evaluation.bench_plan import BenchPlan
 from zoomr.evaluation.bench_units import Put, pending
+from zoomr.evaluation.ray_cluster import check_address, connect, first_line, import_ray, quiet, slots
 from zoomr.evaluation.records import RecordLog
 from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE
 
-RAY_EXTRA = "pip install 'zoomr[ray]'"
-CONNECT_TIMEOUT_S = 5.0   # a TCP check before ray.init, which waits far longer on an address nobody serves
 ATTEMPTS = 3              # a unit whose worker died this many times stops the bench (it kills workers)
-LOCAL = "auto"            # --ray auto: start a Ray instance on this machine for this bench
-
-
-def import_ray():
-    """The ``ray`` module. Raises: UserError naming the extra when Ray is not installed."""
-    try:
-        import ray
-    except ImportError:
-        raise UserError(f"--ray needs Ray, an optional dependency: {RAY_EXTRA}") from None
-    return ray
-
-
-def check_address(address: str) -> str | None:
-    """``--ray``'s value checked: None for ``auto``, else the address for ``ray.init`` once a TCP connection to
-    it opened (within :data:`CONNECT_TIMEOUT_S` seconds).
-
-    Args:
-        address: ``auto``, ``HOST:PORT`` (a head started with ``ray start --head``, port 6379 by default) or
-            ``ray://HOST:PORT`` (Ray Client, port 10001).
-    Raises:
-        UserError: no port, or nothing answers there (the OS's reason named).
-    """
-    if address == LOCAL:
-        return None
-    hostport = address.removeprefix("ray://")
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"--ray {address!r}: give auto, HOST:PORT (ray start --head prints it) or ray://HOST:PORT")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        raise UserError(f"--ray {address}: cannot reach a Ray cluster there ({why})") from None
-    return address
-
-
-def _slots(ray, plan: BenchPlan, workers: int | None) -> tuple[int, dict, int]:
-    """How many workers, the resources each asks Ray for, and the CPU threads each decodes with.
-
-    One worker per GPU when the cluster has GPUs and ``--device`` allows CUDA; else one per ``-t`` CPUs
-    (``-t`` defaults to 1 thread per worker here).
-
-    Raises:
-        UserError: ``workers`` more than fit, or ``--device cuda`` on a cluster without GPUs.
-    """
-    res = ray.cluster_resources()
-    cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
-    device, threads = plan.opts.device, plan.opts.threads or 1
-    if device == "cuda" and not gpus:
-        raise UserError("--device cuda: the Ray cluster has no GPU")
-    if gpus and device in ("auto", "cuda"):
-        ask, fit, what = {"num_gpus": 1, "num_cpus": 1}, min(gpus, cpus), f"{gpus} GPUs, one per worker"
-    else:
-        ask, fit, what = {"num_cpus": threads}, cpus // threads, f"{cpus} CPUs, {threads} thread(s) per worker (-t)"
-    n = workers or max(1, fit)
-    if n > fit:
-        raise UserError(f"--ray-workers {n}: the Ray cluster has room for {fit} ({what})")
-    return n, ask, threads
 
 
 def expected_cost(plan: BenchPlan, cells: list, prompt_tokens: int) -> float:
@@ -127,8 +65,8 @@ class RayBench:
     nothing), started once the folder is open, stopped in every case.
 
     Args:
-        address: ``--ray``: ``auto`` or a cluster address (:func:`check_address`).
-        workers: ``--ray-workers`` (None: one per slot, see :func:`_slots`).
+        address: ``--ray``: ``auto`` or a cluster address (:func:`zoomr.evaluation.ray_cluster.check_address`).
+        workers: ``--ray-workers`` (None: one per slot, see :func:`zoomr.evaluation.ray_cluster.slots`).
     Raises:
         UserError: Ray missing, a bad address, fewer than one worker.
     """
@@ -154,17 +92,10 @@ class RayBench:
                 workers that disagree on the model file.
         """
         ray = self.ray
-        with _quiet(), _no_stderr():   # Ray's C++ side logs each retry on stderr: its failure is said once, below
-            if not ray.is_initialized():
-                try:
-                    # log_to_driver off: workers' output would tear the live table; their errors come back as ours
-                    ray.init(address=self.address or "local", include_dashboard=False, log_to_driver=False,
-                             logging_level=logging.ERROR, configure_logging=False)
-                except (ConnectionError, RuntimeError, TimeoutError) as e:   # something answered, not Ray
-                    where = self.address or "this machine"
-                    raise UserError(f"--ray {where}: cannot reach a Ray cluster there ({_first_line(e)})") from None
-                self.started = True
-        n, ask, threads = _slots(ray, plan, self.workers)
+        if not ray.is_initialized():   # a library caller's own ray.init is used as it is, and left running
+            connect(ray, self.address)
+            self.started = True
+        n, ask, threads = slots(ray, plan, self.workers)
         model = plan.opts.model
         if model and Path(model).expanduser().exists():   # a worker's working folder is not ours
             model = str(Path(model).expanduser().resolve())
@@ -236,9 +167,9 @@ class RayBench:
         """Forget a dead worker; its problems go back to the queue unless they have killed too many."""
         who = self.info.pop(actor, {"host": "?", "pid": "?"})
         self.actors.remove(actor)
-        with _quiet():
+        with quiet():
             self.ray.kill(actor)
-        reason = _first_line(error)
+        reason = first_line(error)
         names = ", ".join(p.id for p in unit)
         emit(ev.Warning(f"ray worker {who['host']} pid {who['pid']} died ({reason}); the unfinished cells of "
                         f"problem(s) {names} go to {'another worker' if self.actors else 'nobody'}"))
@@ -250,7 +181,7 @@ class RayBench:
 
     def stop(self) -> None:
         """Kill the workers, and the Ray instance this bench started (not one the caller had)."""
-        with _quiet():
+        with quiet():
             for actor in self.actors:
                 self.ray.kill(actor)
             self.actors = []
@@ -266,7 +197,7 @@ class RayBench:
         except self.ray.exceptions.RayTaskError as e:
             raise _unwrapped(e) from None
         except self.ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a Ray worker died while loading the model ({_first_line(e)})") from None
+            raise RuntimeError(f"a Ray worker died while loading the model ({first_line(e)})") from None
 
 
 def _unwrapped(error) -> BaseException:
@@ -277,40 +208,6 @@ def _unwrapped(error) -> BaseException:
     return RuntimeError(f"a Ray worker failed: {type(cause).__name__ if cause else 'error'}: {cause or error}")
 
 
-def _first_line(error: BaseException) -> str:
-    """An exception's first line, cut to 160 characters (Ray's messages run to pages)."""
-    text = str(error).strip()
-    return text.splitlines()[0][:160] if text else type(error).__name__
-
-
 def _worker_class():
     from zoomr.evaluation.ray_worker import BenchWorker
     return BenchWorker
-
-
-@contextlib.contextmanager
-def _no_stderr():
-    """File descriptor 2 goes to /dev/null for the block (what Ray's C++ code writes never reaches Python's
-    sys.stderr), and comes back after it."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-class _quiet:
-    """Ray's own log lines (starting, connecting, killing) stay off the user's terminal."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("ray")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
-        return False
