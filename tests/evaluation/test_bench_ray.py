@@ -136,15 +136,16 @@ def test_ray_without_the_extra_is_one_line_naming_it(tmp_path):
     assert "pip install 'zoomr[ray]'" in r.stderr and not out.exists()
 
 
-# 10.255.255.1: nothing listens (a TCP timeout), or, behind a proxy that accepts any connection, something that
-# is not Ray answers (Ray's own connection gives up after about 20 s)
-@pytest.mark.parametrize("address", ["127.0.0.1:1", "no-such-host.invalid:6379",
-                                     pytest.param("10.255.255.1:6379", marks=pytest.mark.slow)])
-def test_a_bad_address_is_one_line_within_30_seconds(tmp_path, address):
+# 10.255.255.1: nothing listens (refused by the TCP check within 5 s), or, behind a proxy that accepts any
+# connection, something that is not Ray answers: Ray's own connection then gives up after about 20 s, so that
+# case gets 45 s (the process start included) where CI's load may slow it
+@pytest.mark.parametrize("address, seconds", [("127.0.0.1:1", 30), ("no-such-host.invalid:6379", 30),
+                                              pytest.param("10.255.255.1:6379", 45, marks=pytest.mark.slow)])
+def test_a_bad_address_is_one_line_within_30_seconds(tmp_path, address, seconds):
     out = tmp_path / "b"
     start = time.monotonic()
     r = cli(*CLI, "--limit", "1", "--out", str(out), "--ray", address, timeout=120)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < seconds
     assert_one_line_error(r)
     assert f"--ray {address}: cannot reach a Ray cluster there" in r.stderr and not out.exists()
 
