@@ -11,7 +11,8 @@ positions kept as they are and the rest chosen per KV head by the score.
 
 Why KeyDiff and not TriAttention (issue 33 asked for one): TriAttention ranks keys by pre-RoPE query
 statistics calibrated once per model, so every new model needs a calibration pass and its file; KeyDiff needs
-nothing but the keys already in the cache, on any model and either backend.
+nothing but the keys already in the cache, on any model. It runs on the torch backend: llama.cpp hands out
+its keys only through an eval callback, not read yet (issue 33).
 """
 
 from __future__ import annotations

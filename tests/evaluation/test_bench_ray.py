@@ -150,7 +150,24 @@ def test_a_bad_address_is_one_line_within_30_seconds(tmp_path, address, seconds)
     assert f"--ray {address}: cannot reach a Ray cluster there" in r.stderr and not out.exists()
 
 
-@pytest.mark.parametrize("address", ["localhost", "host:port", "ray://:10001", "h:99999"])
+@pytest.mark.slow
+def test_a_port_where_something_else_listens_is_given_up_on_in_25_seconds(tmp_path):
+    # an HTTP server passes the TCP check; Ray's own join would retry for minutes
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(server.stdout.readline().split(" port ")[1].split()[0])
+        start = time.monotonic()
+        r = cli(*CLI, "--limit", "1", "--out", str(tmp_path / "b"), "--ray", f"127.0.0.1:{port}", timeout=180)
+        assert time.monotonic() - start < 60
+        assert_one_line_error(r)
+        assert "no Ray cluster answered there within 25 s" in r.stderr and not (tmp_path / "b").exists()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("address", ["localhost", "host:port", "ray://:10001", "h:99999", "http://127.0.0.1:1",
+                                     "127.0.0.1:6379:1"])
 def test_an_address_without_a_port_is_refused(address):
     with pytest.raises(UserError, match="give auto, HOST:PORT"):
         check_address(address)

@@ -93,8 +93,8 @@ class RayBench:
         """
         ray = self.ray
         if not ray.is_initialized():   # a library caller's own ray.init is used as it is, and left running
+            self.started = True   # before connecting: a Ctrl-C inside ray.init still gets ray.shutdown()
             connect(ray, self.address)
-            self.started = True
         n, ask, threads = slots(ray, plan, self.workers)
         model = plan.opts.model
         if model and Path(model).expanduser().exists():   # a worker's working folder is not ours

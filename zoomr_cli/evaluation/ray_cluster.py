@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 
 from zoomr.errors import UserError
 
@@ -18,6 +19,7 @@ from zoomr.evaluation.bench_plan import BenchPlan
 
 RAY_EXTRA = "pip install 'zoomr[ray]'"
 CONNECT_TIMEOUT_S = 5.0   # a TCP check before ray.init, which waits far longer on an address nobody serves
+JOIN_TIMEOUT_S = 25.0     # Ray's own join, where something answers the TCP check: it retries for minutes
 LOCAL = "auto"            # --ray auto: start a Ray instance on this machine for this bench
 
 
@@ -44,10 +46,12 @@ def check_address(address: str) -> str | None:
         return None
     hostport = address.removeprefix("ray://")
     host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    bare = host.strip("[]")
+    if (not host or "://" in hostport or (":" in bare and not host.startswith("["))
+            or not port.isdigit() or not 0 < int(port) < 65536):
         raise UserError(f"--ray {address!r}: give auto, HOST:PORT (ray start --head prints it) or ray://HOST:PORT")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        socket.create_connection((bare, int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         raise UserError(f"--ray {address}: cannot reach a Ray cluster there ({why})") from None
@@ -57,18 +61,38 @@ def check_address(address: str) -> str | None:
 def connect(ray, address: str | None) -> None:
     """Start a local Ray instance (``address`` None) or join the cluster at ``address``.
 
+    Joining waits at most :data:`JOIN_TIMEOUT_S` seconds: where something that is not Ray listens, Ray's own
+    retries last minutes (20 attempts of up to 40 s), so the join runs in a daemon thread that is given up on.
     Raises:
-        UserError: Ray's connection gave up (something answered there, but not Ray), in one line: Ray's C++
-            side logs each retry on stderr, silenced here.
+        UserError: Ray's connection gave up or did not answer in time (something listens there, but not Ray),
+            in one line: Ray's C++ side logs each retry on stderr, silenced here.
     """
-    with quiet(), no_stderr():
+    failed: list[BaseException] = []
+
+    def join() -> None:
         try:
             # log_to_driver off: workers' output would tear the live table; their errors come back as ours
             ray.init(address=address or "local", include_dashboard=False, log_to_driver=False,
                      logging_level=logging.ERROR, configure_logging=False)
-        except (ConnectionError, RuntimeError, TimeoutError) as e:
-            where = address or "this machine"
+        except BaseException as e:   # handed to the caller's thread
+            failed.append(e)
+
+    where = address or "this machine"
+    with quiet(), no_stderr():
+        if address is None:
+            join()
+        else:
+            thread = threading.Thread(target=join, name="ray-join", daemon=True)
+            thread.start()
+            thread.join(JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                raise UserError(f"--ray {where}: no Ray cluster answered there within {JOIN_TIMEOUT_S:.0f} s "
+                                "(something else listens on that port?)")
+    if failed:
+        e = failed[0]
+        if isinstance(e, (ConnectionError, RuntimeError, TimeoutError)):
             raise UserError(f"--ray {where}: cannot reach a Ray cluster there ({first_line(e)})") from None
+        raise e
 
 
 def slots(ray, plan: BenchPlan, workers: int | None) -> tuple[int, dict, int]:
@@ -91,7 +115,8 @@ def slots(ray, plan: BenchPlan, workers: int | None) -> tuple[int, dict, int]:
         ask, fit, what = {"num_cpus": threads}, cpus // threads, f"{cpus} CPUs, {threads} thread(s) per worker (-t)"
     n = workers or max(1, fit)
     if n > fit:
-        raise UserError(f"--ray-workers {n}: the Ray cluster has room for {fit} ({what})")
+        asked = f"--ray-workers {n}" if workers else f"-t {threads}"
+        raise UserError(f"{asked}: the Ray cluster has room for {fit} worker(s) ({what})")
     return n, ask, threads
 
 
