@@ -32,7 +32,7 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
-    ap.add_argument("--quant", default="none", help="torch weights: none, auto, int4, int8, fp16")
+    ap.add_argument("--quant", default="none", help="torch weights: none, auto, int4, int8, fp16, w8a8")
     return ap
 
 

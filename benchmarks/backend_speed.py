@@ -11,7 +11,8 @@ in the JSON (``rounds``).
 Rows: ``fp32``, ``fp16``, ``bf16`` (dense weights, ``--quant none``), ``int8`` (``--quant int8``) and ``int4``
 (``--quant int4``: a Q4 GGUF's own blocks), the last two at ``--dtype auto``, ``int4c`` (``int4`` with
 ``--compile``: decode steps through ``torch.compile``) and ``fp16w`` (``--quant fp16``: fp16 weights in fbgemm's
-fp32-compute GEMM, x86 CPUs only). A row's ``first_decode_s`` is its first decode step in seconds (where a
+fp32-compute GEMM, x86 CPUs only) and ``w8a8`` (``--quant w8a8``: int8 weights and activations, fbgemm, x86 CPUs
+only; lossy). A row's ``first_decode_s`` is its first decode step in seconds (where a
 compiled row compiles). ``--json PATH`` writes the rows:
 ``engine``, ``prefill_tok_s``, ``decode_tok_s`` (medians over rounds), ``prefill_ratio`` and ``decode_ratio``
 (medians of the per-round ratios to llama.cpp), ``weight_MiB``, ``dtype``, ``kv_dtype``, ``rounds``.
@@ -43,7 +44,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 # row name → (--dtype, --quant, --compile)
 ROWS = {"fp32": ("fp32", "none", False), "fp16": ("fp16", "none", False), "bf16": ("bf16", "none", False),
         "int8": ("auto", "int8", False), "int4": ("auto", "int4", False), "int4c": ("auto", "int4", True),
-        "fp16w": ("auto", "fp16", False)}
+        "fp16w": ("auto", "fp16", False), "w8a8": ("auto", "w8a8", False)}
 
 
 class TorchRow:

@@ -13,7 +13,7 @@ as rescue's candidates), whose shared prompt ``--attention cascade`` attends as 
 The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv and zoomr. Ratios come from one
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
-    python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16] [--batches 1 2 4 8 16] [--steps 16]
+    python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16|w8a8] [--batches 1 2 4 8 16] [--steps 16]
         [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded cascade] [--shared-prompt]
         [--no-llamacpp] [--json out.json|-]
 

@@ -99,7 +99,7 @@ def check_options(opts: RunOptions) -> None:
 
     Raises:
         UserError: unknown backend, policy (or one the backend does not run), ``--dtype``, ``--quant`` or
-            ``--kv-dtype``; a half ``--dtype`` with ``--quant fp16``; ``-c``/``-n``/``-t``/``-ngl`` out of range
+            ``--kv-dtype``; a half ``--dtype`` with ``--quant fp16``/``w8a8``; ``-c``/``-n``/``-t``/``-ngl`` out of range
             (:func:`check_lengths`); a policy size not below ``-c`` (:func:`check_knob_sizes`); torch-only
             flags with ``--backend llamacpp``.
         ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
@@ -123,9 +123,9 @@ def check_options(opts: RunOptions) -> None:
 
         if opts.dtype != "auto" and opts.dtype not in DTYPES:
             raise UserError(f"--dtype {opts.dtype!r} unknown (choose from auto, {', '.join(DTYPES)})")
-        if opts.quant == "fp16":
+        if opts.quant in ("fp16", "w8a8"):
             try:
-                pick_dtype(opts.dtype, torch.device("cpu"), "fp16")
+                pick_dtype(opts.dtype, torch.device("cpu"), opts.quant)
             except ValueError as e:
                 raise UserError(str(e)) from None
 
@@ -135,7 +135,7 @@ def check_quant_option(opts: RunOptions) -> None:
     the file's own quantization).
 
     Raises:
-        UserError: an unknown mode, or ``--quant int8|int4|fp16|none`` with ``--backend llamacpp``.
+        UserError: an unknown mode, or ``--quant int8|int4|fp16|w8a8|none`` with ``--backend llamacpp``.
     """
     from zoomr.backends.torch.quant import check_quant
 

@@ -29,7 +29,7 @@ class RunOptions:
     n_gpu_layers: int = -1
     device: str = "auto"
     dtype: str = "auto"
-    # torch: weight quantization (auto: a GGUF's own blocks, none for HF; none, int8, int4, fp16)
+    # torch: weight quantization (auto: a GGUF's own blocks, none for HF; none, int8, int4, fp16, w8a8)
     quant: str = "auto"
     # torch: KV cache / attention dtype (auto: fp32 on a CPU, the compute dtype on CUDA)
     kv_dtype: str = "auto"

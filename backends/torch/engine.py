@@ -55,15 +55,16 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
 
     Args:
         spec: ``auto``, ``fp32``, ``bf16``, ``fp16`` (or the long names).
-        kernel: what the model's linears run: ``dense``, ``int4``, ``int8`` or ``fp16`` (fbgemm: always fp32).
+        kernel: what the model's linears run: ``dense``, ``int4``, ``int8``, or ``fp16``/``w8a8`` (fbgemm: always
+            fp32).
     Raises:
         ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included), or a
-            half dtype for the ``fp16`` kernel.
+            half dtype for the ``fp16``/``w8a8`` kernels.
     """
-    if kernel == "fp16":  # fbgemm's fp16 GEMM takes and returns fp32 activations
+    if kernel in ("fp16", "w8a8"):  # fbgemm's fp16 and int8 GEMMs take and return fp32 activations
         if spec in ("auto", "fp32", "float32"):
             return torch.float32
-        raise ValueError(f"--quant fp16 computes in fp32 (fp16 weights, fp32 activations): use --dtype fp32 "
+        raise ValueError(f"--quant {kernel} computes in fp32 (fbgemm takes fp32 activations): use --dtype fp32 "
                          f"or auto, not {spec}")
     if spec == "auto":
         if device.type == "cpu":
@@ -143,7 +144,8 @@ class TorchBackend:
         quant: "auto" (keep a GGUF's legacy and K-quant blocks in the int4 kernel, exactly, Q6_K regrouped
             to groups of 32: :func:`zoomr.backends.torch.quant.kernel_planes`; none for HF), "none" (dense in the
             compute dtype), "int8" or "int4" (quantize at load; GGUF Q4 blocks stay exact under int4), "fp16"
-            (fp16 weights, fp32 compute, CPU only). See :mod:`zoomr.backends.torch.quant`.
+            (fp16 weights, fp32 compute, CPU only), "w8a8" (int8 weights and activations, fbgemm, CPU only;
+            lossy: :mod:`zoomr.backends.torch.w8a8`). See :mod:`zoomr.backends.torch.quant`.
         n_ctx: most positions a sequence may hold (tokens), ``-c``.
         threads: CPU threads for torch (``-t``); None keeps torch's default.
         cache_factory: builds the KV cache of each new sequence; default full KV on the device.
@@ -169,10 +171,10 @@ class TorchBackend:
         self.source = source
         self.device = pick_device(device)
         self.quant = resolve_quant(quant, source.kind, dtype)
-        if self.quant == "fp16" and not fp16_gemm_available(self.device):
-            raise ValueError(f"--quant fp16 runs fbgemm's fp16 GEMM on an x86 CPU, not on {self.device.type} "
+        if self.quant in ("fp16", "w8a8") and not fp16_gemm_available(self.device):
+            raise ValueError(f"--quant {self.quant} runs an fbgemm GEMM on an x86 CPU, not on {self.device.type} "
                              "(use --quant int4 or none)")
-        kernel = {"none": "dense", "int8": "int8", "fp16": "fp16"}.get(self.quant, "int4")
+        kernel = {"none": "dense", "int8": "int8", "fp16": "fp16", "w8a8": "w8a8"}.get(self.quant, "int4")
         self.dtype = pick_dtype(dtype, self.device, kernel)
         if source.kind == "gguf":
             cfg, tensors, meta = load_gguf(source.path, keep_blocks=self.quant != "none")

@@ -35,6 +35,9 @@ torch's packed-weight kernels:
   and accumulation. Not a 4/8-bit format (twice int4's bytes), but on an AVX2 CPU it decoded as fast as the
   int4 kernel in bf16, prefilled ~2× faster, kept the fp32 path's agreement with llama.cpp, and its cost grows
   least with the batch (``benchmarks/backend_speed.py`` row ``fp16w``, ``batch_throughput.py --quant fp16``).
+- :class:`~.w8a8.W8A8Linear`: fbgemm's int8 GEMM with int8 activations (``--quant w8a8``, x86 CPUs): per-row
+  int8 weights (lossy on GGUF blocks), the fastest prefill and batches, the one-row decode bound by its 8-bit
+  weights' bytes.
 - :class:`DenseLinear`: ``F.linear`` on a compute-dtype weight (``--quant none``, and file types the kernels
   do not hold, such as F16, Q2_K, Q3_K); in fp32 on a CPU, oneDNN on a packed copy (:mod:`.onednn`).
 
@@ -63,7 +66,7 @@ from . import onednn
 
 # GGUF's legacy block and the K-quants' sub-block (Q6_K: 16); also the group of load-time int4 quantization
 GROUP = 32
-QUANT_MODES = ("auto", "none", "int8", "int4", "fp16")
+QUANT_MODES = ("auto", "none", "int8", "int4", "fp16", "w8a8")
 # ggml's legacy blocks (32 weights): type → bytes per block
 _LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 # ggml's K-quant super-blocks (QK_K = 256 weights): type → bytes per super-block
@@ -528,7 +531,8 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
 
     ``auto`` keeps GGUF blocks in the int4 kernel (exact; Q6_K by :func:`regroup_to_32`) and float weights
     dense (a fused linear with any float part too); ``int4`` also quantizes float weights (group 32,
-    asymmetric); ``int8`` re-quantizes everything per row; ``fp16`` holds every weight in fp16 for fbgemm's
+    asymmetric); ``int8`` re-quantizes everything per row; ``w8a8`` too, with int8 activations
+    (:class:`~.w8a8.W8A8Linear`, fbgemm, CPU); ``fp16`` holds every weight in fp16 for fbgemm's
     fp32-compute GEMM (:class:`Fp16Linear`, CPU); ``none`` is dense. Under ``int4``/``auto`` the parts of a
     fused linear share one kernel call when they have the same plane count (Q5_0 Q/K with a Q8_0 V), and
     otherwise run one call per run of alike parts (:class:`StackedLinear`: a Q4_K Q/K with a Q6_K V).
@@ -536,17 +540,21 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
     Args:
         parts: [N_i, K] float32 arrays or :class:`GroupQuant` (same K), stacked in order.
         bias: [ΣN_i] float32 or None.
-        mode: resolved ``--quant`` (auto, none, int8, int4, fp16).
+        mode: resolved ``--quant`` (auto, none, int8, int4, fp16, w8a8).
     Raises:
-        ValueError: ``fp16`` where fbgemm is missing.
+        ValueError: ``fp16`` or ``w8a8`` where fbgemm is missing.
     """
     all_blocks = all(isinstance(p, GroupQuant) for p in parts)
     if mode == "none" or (mode == "auto" and not all_blocks):
         return DenseLinear(_stack_dense(parts), bias, device, dtype)
     if mode == "fp16":
         return Fp16Linear(_stack_dense(parts), bias)
-    if mode == "int8":
+    if mode in ("int8", "w8a8"):
         src = "/".join(sorted({p.source if isinstance(p, GroupQuant) else "float" for p in parts}))
+        if mode == "w8a8":
+            from .w8a8 import W8A8Linear
+
+            return W8A8Linear(_stack_dense(parts), bias, source=src)
         return Int8Linear(_stack_dense(parts), bias, device, dtype, source=src)
     K = parts[0].shape[1]
     if K % GROUP:  # no group fits: the kernel cannot hold it
