@@ -18,6 +18,7 @@ from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .model import Decoder, default_kv_dtype
 from .quant import check_quant, fp16_gemm_available
+from .w8a8 import available as w8a8_available
 from .weights import load_gguf, load_hf_dir
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -171,7 +172,8 @@ class TorchBackend:
         self.source = source
         self.device = pick_device(device)
         self.quant = resolve_quant(quant, source.kind, dtype)
-        if self.quant in ("fp16", "w8a8") and not fp16_gemm_available(self.device):
+        if self.quant in ("fp16", "w8a8") and not (fp16_gemm_available if self.quant == "fp16" else w8a8_available)(
+                self.device):
             raise ValueError(f"--quant {self.quant} runs an fbgemm GEMM on an x86 CPU, not on {self.device.type} "
                              "(use --quant int4 or none)")
         kernel = {"none": "dense", "int8": "int8", "fp16": "fp16", "w8a8": "w8a8"}.get(self.quant, "int4")
