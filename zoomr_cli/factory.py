@@ -120,10 +120,11 @@ def check_options(opts: RunOptions) -> None:
         import torch
 
         from zoomr.backends.torch.engine import DTYPES, pick_dtype
+        from zoomr.backends.torch.quant import FP32_QUANT_MODES
 
         if opts.dtype != "auto" and opts.dtype not in DTYPES:
             raise UserError(f"--dtype {opts.dtype!r} unknown (choose from auto, {', '.join(DTYPES)})")
-        if opts.quant in ("fp16", "w8a8"):
+        if opts.quant in FP32_QUANT_MODES:
             try:
                 pick_dtype(opts.dtype, torch.device("cpu"), opts.quant)
             except ValueError as e:

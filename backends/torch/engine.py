@@ -17,7 +17,7 @@ from zoomr.kvstore.base import FullKVCache, KVCache
 from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .model import Decoder, default_kv_dtype
-from .quant import check_quant, fp16_gemm_available
+from .quant import FP32_QUANT_MODES, check_quant, fp16_gemm_available
 from .w8a8 import available as w8a8_available
 from .weights import load_gguf, load_hf_dir
 
@@ -62,7 +62,7 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
         ValueError: an unknown dtype name (naming ``--dtype`` and every choice, ``auto`` included), or a
             half dtype for the ``fp16``/``w8a8`` kernels.
     """
-    if kernel in ("fp16", "w8a8"):  # fbgemm's fp16 and int8 GEMMs take and return fp32 activations
+    if kernel in FP32_QUANT_MODES:  # fbgemm's fp16 and int8 GEMMs take and return fp32 activations
         if spec in ("auto", "fp32", "float32"):
             return torch.float32
         raise ValueError(f"--quant {kernel} computes in fp32 (fbgemm takes fp32 activations): use --dtype fp32 "
@@ -172,8 +172,8 @@ class TorchBackend:
         self.source = source
         self.device = pick_device(device)
         self.quant = resolve_quant(quant, source.kind, dtype)
-        if self.quant in ("fp16", "w8a8") and not (fp16_gemm_available if self.quant == "fp16" else w8a8_available)(
-                self.device):
+        runs_here = {"fp16": fp16_gemm_available, "w8a8": w8a8_available}.get(self.quant)
+        if runs_here is not None and not runs_here(self.device):
             raise ValueError(f"--quant {self.quant} runs an fbgemm GEMM on an x86 CPU, not on {self.device.type} "
                              "(use --quant int4 or none)")
         kernel = {"none": "dense", "int8": "int8", "fp16": "fp16", "w8a8": "w8a8"}.get(self.quant, "int4")

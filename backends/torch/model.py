@@ -252,10 +252,10 @@ class Decoder:
             # KL 0.037 nats; per-row int8 0.973 / 0.0049): under --quant int4 it gets int8
             head_mode = "int8" if quant == "int4" and not isinstance(tensors[name], GroupQuant) else quant
             self.lm_head = make_linear([tensors[name]], None, head_mode, device, dtype)
-            # (w8a8's head rounds its activations too, whatever the dtype)
             if isinstance(tensors[name], GroupQuant) and (quant == "w8a8" or (
                     dtype != torch.float32 and isinstance(self.lm_head, (Int4Linear, Int8Linear)))):
-                # half-precision kernels round the logits; the ones decoding looks at are recomputed exactly
+                # half-precision kernels round the logits (w8a8 rounds the activations, in any dtype); the
+                # ones decoding looks at are recomputed exactly
                 tied = cfg.tied_embeddings and isinstance(self.embed, QuantEmbedding)
                 table = self.embed if tied else QuantEmbedding(tensors[name], device)
                 self.lm_head = ExactTopHead(self.lm_head, table, EXACT_TOP_K, dtype, shares_table=tied)

@@ -63,10 +63,13 @@ import torch
 import torch.nn.functional as F
 
 from . import onednn
+from .w8a8 import W8A8Linear
 
 # GGUF's legacy block and the K-quants' sub-block (Q6_K: 16); also the group of load-time int4 quantization
 GROUP = 32
 QUANT_MODES = ("auto", "none", "int8", "int4", "fp16", "w8a8")
+# modes whose kernels (fbgemm's) take and return fp32 activations: a half --dtype is refused with them
+FP32_QUANT_MODES = ("fp16", "w8a8")
 # ggml's legacy blocks (32 weights): type → bytes per block
 _LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 # ggml's K-quant super-blocks (QK_K = 256 weights): type → bytes per super-block
@@ -552,8 +555,6 @@ def make_linear(parts: list[Weight], bias: np.ndarray | None, mode: str, device:
     if mode in ("int8", "w8a8"):
         src = "/".join(sorted({p.source if isinstance(p, GroupQuant) else "float" for p in parts}))
         if mode == "w8a8":
-            from .w8a8 import W8A8Linear
-
             return W8A8Linear(_stack_dense(parts), bias, source=src)
         return Int8Linear(_stack_dense(parts), bias, device, dtype, source=src)
     K = parts[0].shape[1]

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+
 def available(device: torch.device) -> bool:
     """fbgemm's int8 dynamic linear runs here: a CPU device and an x86 torch build with fbgemm."""
     return (device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
