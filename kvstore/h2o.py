@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .knobs import PolicyConfig, budget_knob, window_knob
-from .policy import KVPolicy, LayerView, grouped, keep_top, received_attention
+from .knobs import PolicyConfig, budget_knob, selection_knob, window_knob
+from .policy import LayerView, ScoredPolicy, grouped, received_attention
 
 # positions a layer's score row gains at least when it grows (then an eighth of its length): doubling would
 # leave up to half of the row unused, and the row is device memory the policy is charged for
@@ -27,24 +27,26 @@ class H2OConfig(PolicyConfig):
 
     budget: int = budget_knob()
     window: int | None = window_knob(None, "B / 2 (H2O's 50/50 split)")
+    selection: str | None = selection_knob()
 
     def build(self) -> "H2OPolicy":
-        return H2OPolicy(self.budget, self.window)
+        return H2OPolicy(self.budget, self.window, self.selection)
 
 
-class H2OPolicy(KVPolicy):
+class H2OPolicy(ScoredPolicy):
     """Heavy hitters + recent window, per layer and KV head, re-selected after every forward.
 
     Args:
         budget: B, positions kept per KV head (tokens, ≥ 2).
         window: recent positions always kept (tokens); default B // 2; 1 ≤ window < B.
+        selection: ``per-head`` (default) or ``shared`` (:class:`zoomr.kvstore.policy.ScoredPolicy`).
     Raises:
-        ValueError: a budget or window outside those ranges.
+        ValueError: a budget, window or selection outside those ranges.
     """
 
     name = "h2o"
 
-    def __init__(self, budget: int, window: int | None = None):
+    def __init__(self, budget: int, window: int | None = None, selection: str | None = None):
         if budget < 2:
             raise ValueError(f"h2o: --budget must be at least 2 tokens (heavy hitters + recent), got {budget}")
         window = budget // 2 if window is None else window
@@ -52,6 +54,7 @@ class H2OPolicy(KVPolicy):
             raise ValueError(f"h2o: --window must be in [1, --budget {budget}), got {window}")
         self.budget, self.window = budget, window
         self.slack = 1
+        self.set_selection(selection)
         self.score: dict[int, torch.Tensor] = {}   # layer → [Hkv, capacity] float32 accumulated attention by position
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
@@ -70,7 +73,7 @@ class H2OPolicy(KVPolicy):
             return None
         pos = view.positions
         cand = pos[:, :N - self.window]
-        return keep_top(acc.gather(1, cand), cand, self.budget - self.window, pos[:, N - self.window:])
+        return self.choose(acc.gather(1, cand), cand, self.budget - self.window, pos[:, N - self.window:])
 
     def _grow(self, layer: int, need: int, device: torch.device) -> torch.Tensor:
         acc = self.score.get(layer)
@@ -99,4 +102,4 @@ class H2OPolicy(KVPolicy):
         return other
 
     def describe(self) -> str:
-        return f"h2o(B={self.budget}, heavy={self.budget - self.window}, recent={self.window})"
+        return f"h2o(B={self.budget}, heavy={self.budget - self.window}, recent={self.window}{self.describe_selection()})"

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .knobs import PolicyConfig, budget_knob, window_knob
-from .policy import KVPolicy, LayerView, keep_top
+from .knobs import PolicyConfig, budget_knob, selection_knob, window_knob
+from .policy import LayerView, ScoredPolicy
 
 
 def key_diversity(keys: torch.Tensor) -> torch.Tensor:
@@ -45,25 +45,27 @@ class KeyDiffConfig(PolicyConfig):
 
     budget: int = budget_knob()
     window: int | None = window_knob(None, "min(8, B / 2) (as R-KV's observation window)")
+    selection: str | None = selection_knob()
 
     def build(self) -> "KeyDiffPolicy":
-        return KeyDiffPolicy(self.budget, self.window)
+        return KeyDiffPolicy(self.budget, self.window, selection=self.selection)
 
 
-class KeyDiffPolicy(KVPolicy):
+class KeyDiffPolicy(ScoredPolicy):
     """Key-diversity eviction, per layer and KV head.
 
     Args:
         budget: B, positions kept after an eviction (tokens).
         window: the newest positions always kept (tokens); default min(8, B // 2).
         buffer: tokens appended between evictions (tokens; 128 as R-KV).
+        selection: ``per-head`` (default) or ``shared`` (:class:`zoomr.kvstore.policy.ScoredPolicy`).
     Raises:
-        ValueError: budget < 2, window outside [1, budget), buffer < 1.
+        ValueError: budget < 2, window outside [1, budget), buffer < 1, a bad selection.
     """
 
     name = "keydiff"
 
-    def __init__(self, budget: int, window: int | None = None, buffer: int = 128):
+    def __init__(self, budget: int, window: int | None = None, buffer: int = 128, selection: str | None = None):
         if budget < 2:
             raise ValueError(f"keydiff: --budget must be at least 2 tokens, got {budget}")
         window = min(8, budget // 2) if window is None else window
@@ -72,6 +74,7 @@ class KeyDiffPolicy(KVPolicy):
         if buffer < 1:
             raise ValueError(f"keydiff: buffer must be >= 1, got {buffer}")
         self.budget, self.window, self.slack = budget, window, buffer
+        self.set_selection(selection)
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Cut to B once B + buffer positions are attended: the window plus the B − window most diverse keys."""
@@ -81,11 +84,11 @@ class KeyDiffPolicy(KVPolicy):
         pos = view.positions   # whole (a fork: concatenated) only to evict
         score = key_diversity(view.keys)                                # [Hkv, N]: the anchor sees every key
         old = N - self.window
-        return keep_top(score[:, :old], pos[:, :old], self.budget - self.window, pos[:, old:])
+        return self.choose(score[:, :old], pos[:, :old], self.budget - self.window, pos[:, old:])
 
     def fork(self, ctx):
         """No state beyond the knobs: a fork is a shallow copy."""
         return self._fork_shallow(ctx)
 
     def describe(self) -> str:
-        return f"keydiff(B={self.budget}, window={self.window}, buffer={self.slack})"
+        return f"keydiff(B={self.budget}, window={self.window}, buffer={self.slack}{self.describe_selection()})"

@@ -68,6 +68,16 @@ def window_knob(default: int | None, source: str, help: str = "recent window w: 
     return knob(default, help, minimum=1, tokens=True, source=source)
 
 
+SELECTIONS = ("per-head", "shared")   # see zoomr.kvstore.policy.ScoredPolicy
+
+
+def selection_knob() -> Any:
+    """``--selection``: per-head (each layer and KV head keeps its own positions) or shared (one set for all)."""
+    return knob(None, "per-head: every layer and KV head keeps its own positions (the papers'); shared: one set of "
+                "positions for all of them, the only choice KV cells allow", choices=SELECTIONS,
+                source="per-head on torch, shared on llamacpp")
+
+
 def summaries_knob() -> Any:
     """``--summaries``: how segments are found (see :mod:`zoomr.kvstore.segments`)."""
     return knob("auto", "segments: model (delimiters the model writes), prompted, auto (bounded blocks when none "

@@ -25,6 +25,7 @@ import torch
 from .events import RecomputeEvent
 from .base import join_parts
 from .host_store import HostKVStore
+from .knobs import SELECTIONS
 from .stats import storage_bytes
 
 
@@ -191,6 +192,69 @@ class KVPolicy:
     def describe(self) -> str:
         """Short description with the knobs in force, e.g. ``h2o(B=64, recent=32)``."""
         return self.name
+
+
+
+class ScoredPolicy(KVPolicy):
+    """Base of the policies that rank positions by a score (H2O, SnapKV, R-KV, KeyDiff), in one of two
+    :data:`SELECTIONS`:
+
+    * ``per-head`` (the papers'): each layer and KV head keeps its own top positions, chosen in
+      :meth:`KVPolicy.observe` as soon as the layer has run;
+    * ``shared``: one set of positions for every layer and KV head. Each layer's scores are averaged over
+      its KV heads as the layers run, and :meth:`end_forward` keeps the top positions by the mean over
+      layers. This is the only selection a cache of whole cells can follow: a llama.cpp KV cell holds one
+      position for every layer and head (:mod:`zoomr.backends.llamacpp.scored`), and running the torch
+      backend in this mode is what its decisions are compared with.
+
+    Subclasses compute their score and call :meth:`choose`; in ``shared`` mode every layer must present
+    the same candidates (they do, since every layer then holds the same positions).
+
+    Raises:
+        ValueError: a ``selection`` not in :data:`SELECTIONS` (from :meth:`set_selection`).
+    """
+
+    selection = "per-head"
+
+    def set_selection(self, selection: str | None) -> None:
+        """Use ``selection`` (None: ``per-head``)."""
+        selection = selection or "per-head"
+        if selection not in SELECTIONS:
+            raise ValueError(f"{self.name}: --selection {selection!r} unknown (choose from {', '.join(SELECTIONS)})")
+        self.selection = selection
+        self._votes: list[torch.Tensor] = []      # shared: each layer's [C] mean score over KV heads, this forward
+        self._shared: tuple[torch.Tensor, int, torch.Tensor] | None = None   # candidates [C], k, always [W]
+
+    def choose(self, scores: torch.Tensor, candidates: torch.Tensor, k: int, always: torch.Tensor
+               ) -> torch.Tensor | None:
+        """This layer's answer to :meth:`KVPolicy.observe`, given its scores (see :func:`keep_top` for the
+        shapes): per-head, the selection [Hkv, k + W]; shared, None (the layer's vote is kept for
+        :meth:`end_forward`)."""
+        if self.selection == "per-head":
+            return keep_top(scores, candidates, k, always)
+        self._votes.append(scores.float().mean(dim=0))
+        self._shared = candidates[0], k, always[0]
+        return None
+
+    def end_forward(self, fwd: ForwardInfo) -> torch.Tensor | None:
+        """Shared: the top positions by the mean vote over the layers that voted, [Hkv, k + W] with the same
+        row for every KV head; None when no layer voted (nothing to evict) or per-head."""
+        if not self._votes:
+            return None
+        votes = torch.stack(self._votes).mean(dim=0)
+        candidates, k, always = self._shared
+        self._votes, self._shared = [], None
+        keep = keep_top(votes[None], candidates[None], k, always[None])
+        return keep.expand(self.ctx.n_kv_heads, -1)
+
+    def _fork_shallow(self, ctx: PolicyContext) -> "KVPolicy":
+        other = super()._fork_shallow(ctx)
+        other._votes = []
+        return other
+
+    def describe_selection(self) -> str:
+        """``", shared"`` in shared mode, else ``""``: the tail of :meth:`describe`."""
+        return ", shared" if self.selection == "shared" else ""
 
 
 def grouped(q: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

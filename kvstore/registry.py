@@ -28,6 +28,7 @@ from .sumr import SumRConfig, SumRPolicy
 from .zoomr import ZoomRConfig, ZoomRPolicy
 
 BACKENDS = ("torch", "llamacpp")
+BOTH = BACKENDS
 REFERENCE = "full"  # evicts nothing: the yardstick of fidelity, and the full-KV helper of KV-Rescue
 
 
@@ -198,16 +199,16 @@ for _row in (
                backends=("torch", "llamacpp"), label="StreamingLLM", colour="#8c8c8c",
                rescue_base_for=("llamacpp",)),   # the one evicting policy llama.cpp runs without segments
     PolicyInfo("h2o", H2OConfig, H2OPolicy, "heavy hitters by accumulated attention + recent tokens (H2O)",
-               scores="accumulated attention scores", label="H2O", colour="#56b4e9"),
+               scores="accumulated attention scores", label="H2O", backends=BOTH, colour="#56b4e9"),
     PolicyInfo("snapkv", SnapKVConfig, SnapKVPolicy, "per KV head top keys by pooled observation-window attention "
                "+ the window (SnapKV)", scores="attention of an observation window", label="SnapKV",
-               colour="#009e73"),
+               backends=BOTH, colour="#009e73"),
     PolicyInfo("rkv", RKVConfig, RKVPolicy, "per KV head top keys by attention mixed with key redundancy, "
                "compressed every 128 tokens (R-KV)", scores="attention scores and key similarity", label="R-KV",
-               colour="#e69f00", rescue_base_for=("torch",)),   # KV-Rescue's (arXiv:2608.15797) base policy
+               backends=BOTH, colour="#e69f00", rescue_base_for=("torch",)),   # KV-Rescue's (arXiv:2608.15797) base policy
     # KeyDiff's colour is Tol's wine: Okabe–Ito's last free hue is bench's best-of-n cells'
     PolicyInfo("keydiff", KeyDiffConfig, KeyDiffPolicy, "per KV head the keys least like the head's mean key "
-               "direction + recent tokens, cut every 128 tokens (KeyDiff)", label="KeyDiff", colour="#882255"),
+               "direction + recent tokens, cut every 128 tokens (KeyDiff)", label="KeyDiff", backends=BOTH, colour="#882255"),
     PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
                "(ZoomR's SumR ablation)", backends=("torch", "llamacpp"), label="SumR", colour="#0072b2"),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "
@@ -292,8 +293,9 @@ def missing(name: str, backend: str) -> str:
     """Why ``backend`` does not run policy ``name``, as the end of a sentence starting with its name:
     ``needs accumulated attention scores, which llama.cpp does not expose``."""
     info = policy_info(name)
-    if backend == "llamacpp" and info.needs_scores:
-        return f"needs {info.scores}, which llama.cpp does not expose"
+    if backend == "llamacpp" and info.host_store:
+        return ("brings evicted positions back, and llama.cpp keeps no copy of an evicted cell (a store sequence of "
+                "every position would save attention, not KV memory)")
     return f"has no {backend} implementation"
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .knobs import PolicyConfig, budget_knob, window_knob
-from .policy import KVPolicy, LayerView, QueryWindow, grouped, keep_top
+from .knobs import PolicyConfig, budget_knob, selection_knob, window_knob
+from .policy import LayerView, QueryWindow, ScoredPolicy, grouped
 
 
 def redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
@@ -52,12 +52,13 @@ class RKVConfig(PolicyConfig):
     budget: int = budget_knob()
     window: int = window_knob(8, "R-KV", "observation window: the newest queries, "
                                      "always kept (tokens)")
+    selection: str | None = selection_knob()
 
     def build(self) -> "RKVPolicy":
-        return RKVPolicy(self.budget, self.window)
+        return RKVPolicy(self.budget, self.window, selection=self.selection)
 
 
-class RKVPolicy(KVPolicy):
+class RKVPolicy(ScoredPolicy):
     """R-KV compression, per layer and KV head.
 
     Args:
@@ -66,14 +67,16 @@ class RKVPolicy(KVPolicy):
         mix: λ (paper: 0.1).
         kernel: max-pool width (R-KV: 7).
         buffer: tokens appended between compressions (R-KV: 128).
+        selection: ``per-head`` (default) or ``shared`` (:class:`zoomr.kvstore.policy.ScoredPolicy`).
     Raises:
-        ValueError: budget ≤ window, window < 1, λ outside [0, 1], kernel even or < 1, buffer < window.
+        ValueError: budget ≤ window, window < 1, λ outside [0, 1], kernel even or < 1, buffer < window, a bad
+            selection.
     """
 
     name = "rkv"
 
     def __init__(self, budget: int, window: int | None = None, mix: float = 0.1, kernel: int = 7,
-                 buffer: int = 128):
+                 buffer: int = 128, selection: str | None = None):
         window = 8 if window is None else window
         if window < 1 or budget <= window:
             raise ValueError(f"rkv: --budget {budget} must be larger than --window {window} (≥ 1)")
@@ -81,6 +84,7 @@ class RKVPolicy(KVPolicy):
             raise ValueError(f"rkv: need 0 ≤ λ ≤ 1, odd kernel ≥ 1, buffer ≥ window (got {mix}, {kernel}, {buffer})")
         self.budget, self.window, self.mix, self.kernel, self.slack = budget, window, mix, kernel, buffer
         self.queries = QueryWindow(window)
+        self.set_selection(selection)
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Remember the queries; compress to B once B + buffer positions are attended."""
@@ -95,7 +99,7 @@ class RKVPolicy(KVPolicy):
         importance = logits.softmax(dim=-1).mean(dim=1)
         importance = F.max_pool1d(importance[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
         score = self.mix * importance - (1 - self.mix) * redundancy(keys)[:, :N - w]
-        return keep_top(score, pos[:, :N - w], self.budget - w, pos[:, N - w:])
+        return self.choose(score, pos[:, :N - w], self.budget - w, pos[:, N - w:])
 
     def state_tensors(self):
         """The observation window's queries: per layer up to ``window`` + one forward's [H, t, d], in the
@@ -109,4 +113,4 @@ class RKVPolicy(KVPolicy):
         return other
 
     def describe(self) -> str:
-        return f"rkv(B={self.budget}, window={self.window}, λ={self.mix}, buffer={self.slack})"
+        return f"rkv(B={self.budget}, window={self.window}, λ={self.mix}, buffer={self.slack}{self.describe_selection()})"

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .knobs import PolicyConfig, budget_knob, window_knob
-from .policy import KVPolicy, LayerView, QueryWindow, attention_probs, grouped, keep_top
+from .knobs import PolicyConfig, budget_knob, selection_knob, window_knob
+from .policy import LayerView, QueryWindow, ScoredPolicy, attention_probs, grouped
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,13 @@ class SnapKVConfig(PolicyConfig):
     budget: int = budget_knob()
     window: int | None = window_knob(None, "min(32, B / 2) (SnapKV: 32)",
                                      "observation window: the newest queries, always kept (tokens)")
+    selection: str | None = selection_knob()
 
     def build(self) -> "SnapKVPolicy":
-        return SnapKVPolicy(self.budget, self.window)
+        return SnapKVPolicy(self.budget, self.window, selection=self.selection)
 
 
-class SnapKVPolicy(KVPolicy):
+class SnapKVPolicy(ScoredPolicy):
     """Observation-window compression, per layer and KV head.
 
     Args:
@@ -40,13 +41,15 @@ class SnapKVPolicy(KVPolicy):
         window: observation window = recent positions always kept (tokens); default min(32, B // 2).
         kernel: average-pool width (SnapKV: 5).
         buffer: tokens appended between compressions (tokens; 128 as R-KV).
+        selection: ``per-head`` (default) or ``shared`` (:class:`zoomr.kvstore.policy.ScoredPolicy`).
     Raises:
-        ValueError: budget < 2, window outside [1, budget), kernel < 1 or even, buffer < 1.
+        ValueError: budget < 2, window outside [1, budget), kernel < 1 or even, buffer < 1, a bad selection.
     """
 
     name = "snapkv"
 
-    def __init__(self, budget: int, window: int | None = None, kernel: int = 5, buffer: int = 128):
+    def __init__(self, budget: int, window: int | None = None, kernel: int = 5, buffer: int = 128,
+                 selection: str | None = None):
         if budget < 2:
             raise ValueError(f"snapkv: --budget must be at least 2 tokens, got {budget}")
         window = min(32, budget // 2) if window is None else window
@@ -56,6 +59,7 @@ class SnapKVPolicy(KVPolicy):
             raise ValueError(f"snapkv: kernel must be odd and >= 1 and buffer >= 1 (got {kernel}, {buffer})")
         self.budget, self.window, self.kernel, self.slack = budget, window, kernel, buffer
         self.queries = QueryWindow(window)
+        self.set_selection(selection)
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
         """Remember the queries; compress to B once B + buffer positions are attended."""
@@ -69,7 +73,7 @@ class SnapKVPolicy(KVPolicy):
         votes = probs[..., :N - self.window].sum(dim=2).mean(dim=1)                      # [Hkv, N − window]
         pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
         cand = pos[:, :N - self.window]
-        return keep_top(pooled, cand, self.budget - self.window, pos[:, N - self.window:])
+        return self.choose(pooled, cand, self.budget - self.window, pos[:, N - self.window:])
 
     def state_tensors(self):
         """The observation window's queries: per layer up to ``window`` + one forward's [H, t, d], in the
@@ -83,4 +87,4 @@ class SnapKVPolicy(KVPolicy):
         return other
 
     def describe(self) -> str:
-        return f"snapkv(B={self.budget}, window={self.window}, pool={self.kernel}, buffer={self.slack})"
+        return f"snapkv(B={self.budget}, window={self.window}, pool={self.kernel}, buffer={self.slack}{self.describe_selection()})"

@@ -23,11 +23,14 @@ holding n cells always occupies positions ``0 … n-1``, ``tokens[i]`` sits at p
 positions never exceed the policy's cap (≤ ``-c``; so never the model's trained context when ``-c``
 fits it), and an evicting policy generates for as long as asked, far past ``-c``. This is
 StreamingLLM's original scheme (positions counted inside the cache), not the keep-original-positions
-simplification the torch backend uses; the two backends' streaming runs differ in positions.
+simplification the torch backend uses; the two backends' streaming runs differ in positions. The
+score-ranked policies (``shifts = False``, :mod:`zoomr.backends.llamacpp.scored`) keep original
+positions instead: their evictions leave holes, and the next token goes at ``n_written``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
@@ -110,7 +113,8 @@ class LlamaCppBackend:
         threads: CPU threads for decode and prefill (``-t``); None = all cores of this process.
         n_gpu_layers: layers offloaded to the GPU (``-ngl``, -1 = all); no effect on a CPU build.
         policy: KV policy, one the registry (:mod:`zoomr.kvstore.registry`) lists for llamacpp
-            (``full``, ``streaming``, ``sumr``); see :mod:`zoomr.backends.llamacpp.policies`.
+            (``full``, ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``keydiff``, ``sumr``); see
+            :mod:`zoomr.backends.llamacpp.policies`.
         buffer: streaming's eviction buffer (tokens).
         knobs: the policy's knobs (``budget=64, sink=4, window=None`` for streaming; ``window``,
             ``summaries`` for sumr); those not given keep the policy's defaults.
@@ -126,7 +130,8 @@ class LlamaCppBackend:
         n_batch: most tokens per ``llama_decode`` (prefill chunks; candidates per batched step).
     Raises:
         ValueError: not a GGUF file, an unsupported or ill-fitting policy, bad sizes, a model whose
-            KV cannot be shifted or partly removed while the policy evicts.
+            KV cannot be shifted or partly removed while the policy evicts, a model whose graph does not
+            name its rotated queries and keys ``Qcur-*``/``Kcur-*`` under a score-ranked policy.
         BackendError: llama.cpp cannot create the context.
     Attributes:
         tokens_submitted: tokens handed to ``llama_decode`` so far (all sequences; tokens).
@@ -177,6 +182,13 @@ class LlamaCppBackend:
         self._bytes_per_token = self.info.kv_bytes_per_token(GGML_TYPE_F16)
         self.tokens_submitted = 0
         self.decode_calls = 0
+        if self.capture is not None:
+            try:
+                self._check_capture()
+            except Exception:
+                self.close()
+                raise
+            self.tokens_submitted = self.decode_calls = 0
 
     def _load(self, kv_cells: int, n_batch: int, cap: int) -> None:
         """Model, tokenizer, context and batch; checks the model can do what the policy asks."""
@@ -195,8 +207,16 @@ class LlamaCppBackend:
         if self.tokenizer.vocab_size > self.info.n_vocab:
             raise ValueError(f"{self.source.path}: tokenizer has {self.tokenizer.vocab_size} ids, "
                              f"model {self.info.n_vocab}")
+        self.capture = None
+        if self._new_policy().wants_kq:   # a score-ranked policy reads each forward's queries and keys
+            from .capture import KQCapture
+            from .scored import Shapes
+
+            self.shapes = Shapes(self.info.n_layer, llama_cpp.llama_model_n_head(self._model), self.info.n_head_kv,
+                                 self.info.head_dim_k)
+            self.capture = KQCapture(*dataclasses.astuple(self.shapes))
         self._ctx, self._mem = new_context(self._model, kv_cells, n_batch, self.max_sequences, self.unified,
-                                           self.threads)
+                                           self.threads, self.capture.callback if self.capture else None)
         if evicts and not llama_cpp.llama_memory_can_shift(self._mem):
             raise ValueError(f"--policy {self.policy_name} shifts KV positions, which llama.cpp cannot do for this "
                              "model")
@@ -206,6 +226,25 @@ class LlamaCppBackend:
         if llama_cpp.llama_n_ctx_seq(self._ctx) < cap:  # llama.cpp pads, so only a changed rule could trip this
             raise BackendError(f"llama.cpp gave each sequence fewer than the {cap} cells the policy needs")
         self._batch = Batch(n_batch)
+
+    def _check_capture(self) -> None:
+        """One token through the graph, so a model whose graph names its queries and keys otherwise is refused
+        here, before any sequence runs.
+
+        Raises:
+            ValueError: naming the policy and the backend.
+        """
+        from .capture import GraphNamesError
+
+        seq = self.new_sequence()
+        try:
+            self.prefill(seq, [0])
+        except GraphNamesError as e:
+            raise ValueError(f"--policy {self.policy_name} on --backend llamacpp needs the rotated queries and keys "
+                             f"of every layer, which this model's llama.cpp graph does not name as expected ({e}); "
+                             "use --backend torch") from None
+        finally:
+            self.free(seq)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -258,7 +297,10 @@ class LlamaCppBackend:
         Raises:
             BackendError: all ``max_sequences`` ids are in use.
         """
-        return LlamaCppSequence(self._take_id(), self._new_policy())
+        policy = self._new_policy()
+        if policy.wants_kq:
+            policy.bind(self.shapes)
+        return LlamaCppSequence(self._take_id(), policy)
 
     def _take_id(self) -> int:
         if not self._free_ids:
@@ -327,12 +369,18 @@ class LlamaCppBackend:
             self._make_room(seq)
             n = min(len(ids) - done, seq.policy.cap - len(seq.tokens), self._batch.capacity)
             chunk = ids[done:done + n]
-            self._batch.set_run(chunk, len(seq.tokens), seq.seq_id, all_logits)
+            self._batch.set_run(chunk, seq.next_position, seq.seq_id, all_logits)
             self._run([seq])
             rows.extend(self._logits(i) for i in (range(n) if all_logits else [n - 1]))
-            self._appended(seq, chunk)
+            if seq.policy.wants_kq:   # each chunk scored (and cut) before the next
+                seq.policy.take_kq(*self._kq_rows(0, n))
+                self._appended(seq, chunk)
+                self._observed(seq, seq.n_written - n, chunk)
+            else:
+                self._appended(seq, chunk)
             done += n
-        self._observed(seq, start, ids)
+        if not seq.policy.wants_kq:
+            self._observed(seq, start, ids)
         return np.stack(rows) if all_logits else rows[-1]
 
     def decode(self, seq: LlamaCppSequence, token: int) -> np.ndarray:
@@ -373,9 +421,12 @@ class LlamaCppBackend:
         self._check_ids(tokens)
         for s in seqs:
             self._make_room(s)
-        self._batch.set_rows(tokens, [len(s.tokens) for s in seqs], [s.seq_id for s in seqs])
+        self._batch.set_rows(tokens, [s.next_position for s in seqs], [s.seq_id for s in seqs])
         self._run(seqs)
         out = np.stack([self._logits(i) for i in range(len(seqs))])
+        for i, s in enumerate(seqs):
+            if s.policy.wants_kq:
+                s.policy.take_kq(*self._kq_rows(i, i + 1))
         for s, t in zip(seqs, tokens):
             self._appended(s, [t])
             self._observed(s, s.n_written - 1, [t])
@@ -410,13 +461,15 @@ class LlamaCppBackend:
         if not fits:
             rows = [self.prefill(s, ids, all_logits) for s, ids in zip(seqs, ids_list)]
             return rows if all_logits else np.stack(rows)
-        starts = self._batch.set_runs([(ids, len(s.tokens), s.seq_id) for s, ids in zip(seqs, ids_list)], all_logits)
+        starts = self._batch.set_runs([(ids, s.next_position, s.seq_id) for s, ids in zip(seqs, ids_list)], all_logits)
         self._run(seqs)
         rows = []
         for s, ids, i0 in zip(seqs, ids_list, starts):
             picks = range(i0, i0 + len(ids)) if all_logits else [i0 + len(ids) - 1]
             rows.append(np.stack([self._logits(i) for i in picks]) if all_logits else self._logits(picks[0]))
-        for s, ids in zip(seqs, ids_list):
+        for s, ids, i0 in zip(seqs, ids_list, starts):
+            if s.policy.wants_kq:
+                s.policy.take_kq(*self._kq_rows(i0, i0 + len(ids)))
             start = s.n_written
             self._appended(s, ids)
             self._observed(s, start, ids)
@@ -435,12 +488,26 @@ class LlamaCppBackend:
         n = self._batch.n_tokens
         self.tokens_submitted += n
         self.decode_calls += 1
+        if self.capture is not None:
+            self.capture.begin()
         rc = llama_cpp.llama_decode(self._ctx, self._batch.raw)
         if rc != 0:
             # after an abort or a fatal error, the ubatches already computed stay in the cache
             for s in seqs:
-                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, len(s.tokens), -1)
+                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, s.next_position, -1)
             raise decode_error(rc, n, self.kv_cells)
+        if self.capture is not None:
+            try:
+                self._kq = self.capture.take(n)
+            except Exception:
+                for s in seqs:
+                    llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, s.next_position, -1)
+                raise
+
+    def _kq_rows(self, i0: int, i1: int):
+        """Rows ``[i0, i1)`` of the last decode's captured queries and keys, per layer."""
+        q, k = self._kq
+        return [x[i0:i1] for x in q], [x[i0:i1] for x in k]
 
     def _logits(self, row: int) -> np.ndarray:
         import ctypes
@@ -462,7 +529,7 @@ class LlamaCppBackend:
         seq.peak = max(seq.peak, len(seq.tokens))
         cells = self.cells_held(seq)
         seq.peak_cells_llama = max(seq.peak_cells_llama, cells)
-        if cells != len(seq.tokens):
+        if cells != (len(seq.tokens) if seq.policy.shifts else seq.n_written - seq.origin[0]):
             raise BackendError(f"llama.cpp holds {cells} cells for sequence {seq.seq_id}, zoomr expected "
                                f"{len(seq.tokens)} (KV bookkeeping out of step)")
 
@@ -471,7 +538,7 @@ class LlamaCppBackend:
         the sequence is at its cap (so between calls an evicting policy holds fewer than cap cells
         whenever it can, and a caller checking ``len(seq.tokens)`` against ``-c`` sees room)."""
         if seq.meter is None:
-            bound = seq.policy.cap if seq.policy.evicts else None
+            bound = getattr(seq.policy, "bound", seq.policy.cap) if seq.policy.evicts else None
             seq.meter = KVMeter(self._bytes_per_token, bound, self.kv_device)
         b = self._bytes_per_token
         seq.meter.step(len(seq.tokens), len(seq.tokens) * b, seq.n_written, seq.forwards == 0,
@@ -514,10 +581,12 @@ class LlamaCppBackend:
         policies report.
         """
         b = self._bytes_per_token
-        held = self.cells_held(seq) if seq.seq_id >= 0 else 0
+        # with holes (a policy that keeps positions) llama.cpp's span is not a count: zoomr's is reported
+        held = (self.cells_held(seq) if seq.policy.shifts else len(seq.tokens)) if seq.seq_id >= 0 else 0
         extra = {"llama_cells": held, "llama_peak_cells": seq.peak_cells_llama,
                  "evictions": seq.evictions, "evicted_tokens": seq.evicted_tokens}
         if seq.policy.evicts:
             extra.update(policy=seq.policy.describe(), **seq.policy.stats())
-        meter = seq.meter or KVMeter(b, seq.policy.cap if seq.policy.evicts else None, self.kv_device)
+        meter = seq.meter or KVMeter(b, getattr(seq.policy, "bound", seq.policy.cap) if seq.policy.evicts else None,
+                                     self.kv_device)
         return meter.stats(len(seq.tokens), seq.n_written, len(seq.tokens) * b, extra)

@@ -1,11 +1,13 @@
 """KV policies the llama.cpp backend can run, expressed as cell eviction.
 
-llama.cpp exposes no attention scores, queries or keys through its memory API, only sequence
-operations on KV cells (``seq_rm``, ``seq_cp``, ``seq_add``). So this backend offers the policies
-that need nothing else: ``full`` (no eviction), ``streaming`` (attention sinks + recent tokens,
-StreamingLLM) and ``sumr`` (prompt + summaries + recent tokens, ZoomR's SumR ablation; see
-:mod:`zoomr.backends.llamacpp.sumr`). Which policies run here, and what the others need, is the
-registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the knobs and their defaults
+llama.cpp's memory API offers sequence operations on KV cells (``seq_rm``, ``seq_cp``, ``seq_add``)
+and no attention scores. Policies that need only the tokens run on that alone: ``full`` (no
+eviction), ``streaming`` (attention sinks + recent tokens, StreamingLLM) and ``sumr`` (prompt +
+summaries + recent tokens, ZoomR's SumR ablation; see :mod:`zoomr.backends.llamacpp.sumr`). The
+score-ranked ones (``h2o``, ``snapkv``, ``rkv``, ``keydiff``) read each forward's queries and keys through
+llama.cpp's eval callback and run the torch backend's scoring code, with one selection shared by every
+layer and head (:mod:`zoomr.backends.llamacpp.scored`). Which policies run here, and what the others need,
+is the registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the knobs and their defaults
 are the policies' configs; asking for a policy that needs attention is a ``ValueError`` naming what
 is supported.
 
@@ -22,8 +24,12 @@ from typing import Callable, Protocol
 
 from zoomr.kvstore.events import EventBus
 from zoomr.kvstore.full import FullConfig
+from zoomr.kvstore.h2o import H2OConfig
+from zoomr.kvstore.keydiff import KeyDiffConfig
 from zoomr.kvstore.knobs import PolicyConfig
 from zoomr.kvstore.registry import REFERENCE, PolicySpec, check_backend
+from zoomr.kvstore.rkv import RKVConfig
+from zoomr.kvstore.snapkv import SnapKVConfig
 from zoomr.kvstore.streaming import StreamingConfig
 from zoomr.kvstore.sumr import SumRConfig
 
@@ -38,12 +44,18 @@ class CellPolicy(Protocol):
         evicts: False when the policy never removes anything (the engine then refuses a forward
             that would not fit before running any of it).
         wants_text: True when :meth:`observe` needs the text of the tokens (detokenizing costs time).
+        wants_kq: True when the engine must capture each forward's queries and keys and hand them over
+            (``take_kq``, then ``observe`` for each prefill chunk) before :meth:`observe`.
+        shifts: True when eviction closes the gap (``seq_add``: positions stay compact, keys re-rotated);
+            False when evicted cells leave holes and every cell keeps its position.
     """
 
     name: str
     cap: int
     evicts: bool
     wants_text: bool
+    wants_kq: bool
+    shifts: bool
 
     def observe(self, start: int, ids: list[int], text: str) -> bool:
         """Record that absolute positions ``[start, start + len(ids))`` now hold ``ids`` (text ``text``,
@@ -86,6 +98,8 @@ class FullPolicy:
     name: str = REFERENCE
     evicts: bool = False
     wants_text: bool = False
+    wants_kq: bool = False
+    shifts: bool = True
 
     def observe(self, start: int, ids: list[int], text: str) -> bool:
         """Nothing to record."""
@@ -139,6 +153,8 @@ class StreamingPolicy:
     name: str = "streaming"
     evicts: bool = True
     wants_text: bool = False
+    wants_kq: bool = False
+    shifts: bool = True
 
     @property
     def cap(self) -> int:
@@ -202,12 +218,23 @@ def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     return lambda: SumRCells(n_ctx, config.window, config.summaries, events, config.segment_tokens)
 
 
+def _scored(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+    from .scored import ScoredCells
+
+    first = ScoredCells(config)   # validates the knobs now, before any model loads
+    if first.bound > n_ctx:
+        raise ValueError(f"{first.name}: --budget {config.budget} + {first.bound - config.budget} buffered tokens "
+                         f"exceed -c {n_ctx}")
+    return lambda: ScoredCells(config)
+
+
 # The llama.cpp implementation of each policy the registry lists for this backend, keyed by the policy's config
 # class (the registry row's ``config``): the registry names policies and says which backends run them, this
 # module only says how, so no policy name is spelled twice. tests/kv/test_registry.py checks that the two
 # agree (kvstore may not import a backend, so the registry cannot hold these factories itself).
 CELL_POLICIES: dict[type[PolicyConfig], Callable[..., Factory]] = {
-    FullConfig: _full, StreamingConfig: _streaming, SumRConfig: _sumr}
+    FullConfig: _full, StreamingConfig: _streaming, SumRConfig: _sumr,
+    H2OConfig: _scored, SnapKVConfig: _scored, RKVConfig: _scored, KeyDiffConfig: _scored}
 
 
 def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events: EventBus | None = None,

@@ -121,7 +121,7 @@ def load_model(path: Path, n_gpu_layers: int = -1):
     return model
 
 
-def new_context(model, kv_cells: int, n_batch: int, n_seq_max: int, unified: bool, threads: int):
+def new_context(model, kv_cells: int, n_batch: int, n_seq_max: int, unified: bool, threads: int, cb_eval=None):
     """A ``llama_context*`` over ``model`` with an f16 KV cache; returns (ctx, memory).
 
     Args:
@@ -131,6 +131,8 @@ def new_context(model, kv_cells: int, n_batch: int, n_seq_max: int, unified: boo
         n_seq_max: sequence ids the context accepts.
         unified: one cell pool shared by all ids (True) or one stream of ``kv_cells / n_seq_max`` per id.
         threads: CPU threads for decode and prefill.
+        cb_eval: a ``ggml_backend_sched_eval_callback`` run on the graph's nodes (see
+            :class:`zoomr.backends.llamacpp.capture.KQCapture`), or None.
     Raises:
         BackendError: llama.cpp cannot create the context (usually out of memory).
     """
@@ -144,6 +146,8 @@ def new_context(model, kv_cells: int, n_batch: int, n_seq_max: int, unified: boo
     params.n_threads = params.n_threads_batch = threads
     params.type_k = params.type_v = GGML_TYPE_F16
     params.no_perf = True
+    if cb_eval is not None:
+        params.cb_eval = cb_eval
     ctx = llama_cpp.llama_init_from_model(model, params)
     if not ctx:
         raise BackendError(f"llama.cpp cannot create a context of {kv_cells} KV cells and {n_seq_max} sequences "

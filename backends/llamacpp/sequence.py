@@ -40,6 +40,12 @@ class LlamaCppSequence:
     meter: KVMeter | None = None
     forwards: int = 0
 
+    @property
+    def next_position(self) -> int:
+        """The position the next token is written at: the cells held when eviction shifts (compact), else
+        the positions ever written (holes stay)."""
+        return len(self.tokens) if self.policy.shifts else self.n_written
+
 
 def cells_held(mem, seq_id: int) -> int:
     """KV cells llama.cpp holds for ``seq_id``: ``pos_max - pos_min + 1`` (llama.h guarantees every
@@ -65,6 +71,9 @@ def remove_positions(mem, seq: LlamaCppSequence, ranges: list[tuple[int, int]]) 
     """
     import llama_cpp
 
+    if not seq.policy.shifts:
+        _remove_holes(mem, seq, ranges)
+        return
     spans = []
     for p0, p1 in ranges:
         a, b = bisect.bisect_left(seq.origin, p0), bisect.bisect_left(seq.origin, p1)
@@ -77,4 +86,22 @@ def remove_positions(mem, seq: LlamaCppSequence, ranges: list[tuple[int, int]]) 
         del seq.tokens[a:b], seq.origin[a:b]
         seq.evicted_tokens += b - a
     if spans:
+        seq.evictions += 1
+
+
+def _remove_holes(mem, seq: LlamaCppSequence, ranges: list[tuple[int, int]]) -> None:
+    """``llama_memory_seq_rm`` of each absolute range, positions kept (the cells after a hole are not moved)."""
+    import llama_cpp
+
+    removed = 0
+    for p0, p1 in ranges:
+        a, b = bisect.bisect_left(seq.origin, p0), bisect.bisect_left(seq.origin, p1)
+        if a == b:
+            continue
+        if not llama_cpp.llama_memory_seq_rm(mem, seq.seq_id, p0, p1):
+            raise BackendError(f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq.seq_id}")
+        del seq.tokens[a:b], seq.origin[a:b]
+        removed += b - a
+    seq.evicted_tokens += removed
+    if removed:
         seq.evictions += 1

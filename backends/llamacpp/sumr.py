@@ -47,6 +47,8 @@ class SumRCells:
     name = "sumr"
     evicts = True
     wants_text = True
+    wants_kq = False
+    shifts = True
 
     def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None,
                  segment_tokens: int = SEGMENT_TOKENS):

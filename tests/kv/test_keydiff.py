@@ -45,6 +45,6 @@ def test_bad_knobs_are_refused_and_it_needs_no_attention_scores():
     with pytest.raises(ValueError, match="--budget must be at least 2"):
         KeyDiffPolicy(budget=1)
     info = policy_info("keydiff")
-    assert not info.needs_scores and info.budgeted and info.evicts and info.backends == ("torch",)
+    assert not info.needs_scores and info.budgeted and info.evicts and info.backends == ("torch", "llamacpp")
     policy = PolicySpec("keydiff", 32).build()
     assert policy.describe() == "keydiff(B=32, window=8, buffer=128)" and policy.bound_tokens == 160

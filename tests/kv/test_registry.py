@@ -41,7 +41,7 @@ def test_each_row_matches_its_class_config_and_backends(name):
     assert info.budgeted == (policy.budget is not None)
     # llama.cpp has cell operations only: a policy that ranks by attention cannot run there
     assert ("llamacpp" in info.backends) == (info.config in CELL_POLICIES)
-    assert not (info.needs_scores and "llamacpp" in info.backends)
+    assert ("llamacpp" in info.backends) or name == "zoomr"   # the one that zooms evicted positions back in
     assert "torch" in info.backends and info.summary and info.evicts == (name != REFERENCE)
     for k in info.knobs:
         assert k.info.help and (k.default is not None or k.info.source), k  # a computed default says how
@@ -59,8 +59,8 @@ def test_a_knob_out_of_range_is_one_value_error_naming_its_flag(name, knob_name)
 def test_shipped_table_and_derived_lists():
     assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
     assert budgeted() == ("streaming", "h2o", "snapkv", "rkv", "keydiff")
-    assert policy_names("llamacpp") == ("full", "streaming", "sumr")
-    assert evicting("llamacpp") == ("streaming", "sumr") and REFERENCE not in evicting()
+    assert policy_names("llamacpp") == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr")
+    assert evicting("llamacpp") == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr") and REFERENCE not in evicting()
     flags = knob_flags()
     assert flags["window"].readers == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
     assert flags["window"].default is None            # the readers differ: each keeps its own
@@ -68,9 +68,9 @@ def test_shipped_table_and_derived_lists():
     assert flags["sink"].readers == ("streaming",) and flags["topk_per_head"].flag == "--topk-per-head"
     with pytest.raises(TypeError, match="full has no knob 'budget'"):
         PolicySpec("full", 16).build()  # a knob is its policy's: no flat bag
-    with pytest.raises(ValueError, match=r"--policy h2o needs accumulated attention scores.* supports full, "
-                                         r"streaming, sumr \(use --backend torch for h2o\)"):
-        check_backend("h2o", "llamacpp")
+    with pytest.raises(ValueError, match=r"--policy zoomr brings evicted positions back.* supports full, streaming, "
+                                         r"h2o, snapkv, rkv, keydiff, sumr \(use --backend torch for zoomr\)"):
+        check_backend("zoomr", "llamacpp")
 
 
 def test_docs_policy_page_shows_the_table_the_registry_renders():
@@ -210,7 +210,8 @@ def test_an_eighth_policy_is_a_rescue_base_on_torch_and_refused_by_llamacpp(stri
     assert "stride" in evicting() and "stride" not in evicting("llamacpp")
     plan = plan_rescue(RescueOptions(rescue=True, base_policy="stride"), RunOptions(knobs={"stride": 3}))
     assert plan.base_opts.policy == "stride" and plan.helper_opts.knobs == {}
-    refusal = r"--policy stride has no llamacpp implementation; the llamacpp backend supports full, streaming, sumr"
+    refusal = (r"--policy stride has no llamacpp implementation; the llamacpp backend supports full, streaming, h2o, "
+                r"snapkv, rkv, keydiff, sumr")
     with pytest.raises(ValueError, match=refusal):
         make_policy("stride", 256)
     with pytest.raises(UserError, match="--base-policy: " + refusal):

@@ -104,7 +104,10 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     if policy is None:
         policy = rescue_base(opts.backend)
         paper = rescue_base(BACKENDS[0])   # the paper's base (R-KV), on the backend that runs every policy
-        if policy != paper:
+        if policy != paper and opts.backend in REGISTRY[paper].backends:
+            notes.append(f"base policy {policy}, the {opts.backend} default: {REGISTRY[paper].display} runs here "
+                         f"with one selection shared by every layer and head (--base-policy {paper})")
+        elif policy != paper:
             notes.append(f"base policy {policy}: {REGISTRY[paper].display} {missing(paper, opts.backend)}")
     choices = ", ".join(evicting(opts.backend))
     if policy == REFERENCE:

@@ -1,0 +1,94 @@
+"""Score-ranked policies (h2o, snapkv, rkv, keydiff) on llama.cpp: queries and keys read through cb_eval, the
+torch backend's scoring code, one selection for every layer and head, positions never shifted."""
+
+import numpy as np
+import pytest
+
+from zoomr.backends.llamacpp.capture import GraphNamesError, KQCapture
+from zoomr.backends.llamacpp.engine import LlamaCppBackend
+from zoomr.backends.models import resolve_model
+from zoomr.backends.torch.engine import TorchBackend
+from zoomr.evaluation.eviction_trace import compare_evictions
+from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+from conftest import assert_one_line_error, zoomr
+
+PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+          "How many clips did Natalia sell altogether in April and May?")
+
+
+def _greedy(be, seq, ids, n):
+    tok, out = int(np.argmax(be.prefill(seq, ids))), []
+    for _ in range(n):
+        out.append(tok)
+        tok = int(np.argmax(be.decode(seq, tok)))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["h2o", "rkv", "snapkv", "keydiff"])
+def test_cells_stay_within_the_bound_and_keep_their_positions(policy):
+    be = LlamaCppBackend(resolve_model(None), n_ctx=512, threads=1, policy=policy, budget=32)
+    seq = be.new_sequence()
+    ids = be.tokenizer.encode(PROMPT)
+    bound = seq.policy.bound
+    _greedy(be, seq, ids, 200)
+    assert seq.evictions > 0
+    assert len(seq.tokens) <= bound
+    assert seq.origin == sorted(seq.origin) and seq.origin[-1] == seq.n_written - 1   # holes, no shift
+    assert seq.origin[-1] >= len(seq.tokens)   # positions run past the cells held
+    stats = be.kv_stats(seq)
+    assert stats.extra["policy"].endswith("shared)")
+    assert stats.extra["llama_cells"] == len(seq.tokens)
+    assert stats.peak_active_tokens <= max(bound, len(ids))   # the prompt is attended whole, as on torch
+    be.close()
+
+
+def test_a_fork_scores_on_its_own():
+    be = LlamaCppBackend(resolve_model(None), n_ctx=512, threads=1, policy="h2o", budget=16, max_sequences=2)
+    parent = be.new_sequence()
+    ids = be.tokenizer.encode(PROMPT)
+    _greedy(be, parent, ids, 8)
+    child = be.fork(parent)
+    be.decode(child, 13)
+    be.decode(child, 14)
+    be.decode(parent, 15)
+    assert child.n_written == parent.n_written + 1
+    assert len(child.tokens) <= child.policy.bound and len(parent.tokens) <= parent.policy.bound
+    assert child.policy.positions.tolist() == child.origin
+    assert parent.policy.positions.tolist() == parent.origin
+    be.close()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keydiff"])
+def test_decisions_match_the_torch_backend_on_the_same_tokens(policy, embedded_path):
+    """Same tokens, shared selection on both backends: the evictions agree except where the logits differ."""
+    src = resolve_model(None)
+    llama = LlamaCppBackend(src, n_ctx=512, threads=1, policy=policy, budget=24)
+    prompt = llama.tokenizer.encode(PROMPT)
+    seq = llama.new_sequence()
+    text = _greedy(llama, seq, prompt, 160)
+    llama.free(seq)
+    torch_be = TorchBackend(src, device="cpu", dtype="fp32", n_ctx=1024,
+                            cache_factory=PolicyCacheFactory(PolicySpec(policy, 24, selection="shared")))
+    agree = compare_evictions(torch_be, llama, prompt, text)
+    assert agree.evictions >= (10 if policy == "h2o" else 1)   # keydiff cuts once per 128 tokens
+    assert agree.share >= 0.8, agree
+    llama.close()
+
+
+def test_per_head_selection_is_refused_on_llamacpp():
+    with pytest.raises(ValueError, match="shared selection only"):
+        LlamaCppBackend(resolve_model(None), n_ctx=512, policy="rkv", budget=32, selection="per-head")
+
+
+def test_cli_refuses_per_head_on_llamacpp_with_one_line():
+    r = zoomr("solve", "examples/problem.txt", "--backend", "llamacpp", "--policy", "h2o", "--selection",
+              "per-head", "-n", "4")
+    assert_one_line_error(r)
+    assert "shared selection only" in r.stderr
+
+
+def test_a_graph_without_the_expected_names_is_one_error_not_a_crash():
+    capture = KQCapture(2, 3, 1, 8)
+    capture.begin()
+    with pytest.raises(GraphNamesError, match="Qcur-0"):
+        capture.take(1)
