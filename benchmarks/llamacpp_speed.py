@@ -15,7 +15,7 @@ shares cells) and one stream per sequence (evicting policies: a fork copies the 
 Reported per fork (CPU time): ``llama_memory_seq_cp`` and the extra time of the child's first decode over a
 plain decode (where llama.cpp performs a stream copy), at several prefix lengths.
 
-    python benchmarks/llamacpp_speed.py [-m MODEL.gguf] [-n 256] [-t 1] [--budget 64] [--repeats 3]
+    python benchmarks/llamacpp_speed.py [-m MODEL.gguf] [-n 256] [-t 1] [--budget 64] [--repeats 3] [--scored h2o,rkv]
 """
 
 from __future__ import annotations
@@ -84,8 +84,12 @@ def throughput(src, a) -> list[dict]:
     full = LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, max_sequences=1)
     llm = llama_cpp.Llama(model_path=str(src.path), n_ctx=len(ids) + a.n + 8, n_threads=a.threads,
                           n_threads_batch=a.threads, verbose=False)
+    # the score-ranked policies read queries and keys through cb_eval: their rows show what that costs
+    scored = {p: LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, policy=p, budget=a.budget,
+                                 max_sequences=1) for p in a.scored}
     runs = {
         f"zoomr llamacpp, streaming B={a.budget}": lambda: engine_decode_s(evict, ids, a.n),
+        **{f"zoomr llamacpp, {p} B={a.budget}": (lambda be=be: engine_decode_s(be, ids, a.n)) for p, be in scored.items()},
         "zoomr llamacpp, full KV": lambda: engine_decode_s(full, ids, a.n),
         "llama-cpp-python Llama.generate": lambda: llama_generate_s(llm, ids, a.n),
     }
@@ -108,7 +112,7 @@ def throughput(src, a) -> list[dict]:
                      "vs_llama_generate": round(rate(k, 0) / rate(base, 0), 3),
                      "cpu_tok_s": round(rate(k, 1), 2), "vs_llama_generate_cpu": round(rate(k, 1) / rate(base, 1), 3),
                      "runs_tok_s": [round(a.n / t[0], 1) for t in times[k]]})
-    for be in (evict, full):
+    for be in (evict, full, *scored.values()):
         be.close()
     return rows
 
@@ -157,6 +161,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=1)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scored", type=lambda s: [x for x in s.split(",") if x], default=["h2o", "snapkv", "rkv", "keydiff"],
+                    help="score-ranked policies timed beside streaming and full (comma list; empty: none)")
     ap.add_argument("--fork-prefix", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512, 2048],
                     help="prefix lengths for the fork-cost table (tokens, comma-separated)")
     ap.add_argument("--skip", choices=["throughput", "fork"], default=None)
