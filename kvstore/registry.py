@@ -291,7 +291,7 @@ def check_backend(name: str, backend: str) -> PolicyInfo:
 
 def missing(name: str, backend: str) -> str:
     """Why ``backend`` does not run policy ``name``, as the end of a sentence starting with its name:
-    ``needs accumulated attention scores, which llama.cpp does not expose``."""
+    ``brings evicted positions back, and llama.cpp keeps no copy of an evicted cell ...``."""
     info = policy_info(name)
     if backend == "llamacpp" and info.host_store:
         return ("brings evicted positions back, and llama.cpp keeps no copy of an evicted cell (a store sequence of "
