@@ -46,7 +46,8 @@ _OPTION_DECLS = {
                                 "blocks kept in the int4 kernel, exact; Q6_K regrouped to 32; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), "
                                 "fp16 (fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact "
                                 "forms; refuses a half --dtype), w8a8 (int8 weights and activations: fbgemm on x86 CPUs; "
-                                "fastest and best batched there, lossy: docs/backends.md).",
+                                "fastest prefill and batches there, slower one-row decode, lossy; refuses a half --dtype: "
+                                "docs/backends.md).",
                                 rich_help_panel=PANEL_MODEL)),
     "kv_dtype": (str, typer.Option("--kv-dtype", help="torch KV cache and attention dtype: auto (fp32 on a CPU, "
                                    "where half-precision attention runs slower; the compute dtype on CUDA), fp32, "
