@@ -74,7 +74,8 @@ SELECTIONS = ("per-head", "shared")   # see zoomr.kvstore.policy.ScoredPolicy
 def selection_knob() -> Any:
     """``--selection``: per-head (each layer and KV head keeps its own positions) or shared (one set for all)."""
     return knob(None, "per-head: every layer and KV head keeps its own positions (the papers'); shared: one set of "
-                "positions for all of them, the only choice KV cells allow", choices=SELECTIONS,
+                "positions for all of them, the only choice llama.cpp's KV cells allow (default: per-head on "
+                "--backend torch, shared on --backend llamacpp)", choices=SELECTIONS,
                 source="per-head on torch, shared on llamacpp")
 
 

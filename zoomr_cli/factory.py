@@ -102,7 +102,9 @@ def check_options(opts: RunOptions) -> None:
             ``--kv-dtype``; a half ``--dtype`` with ``--quant fp16``/``w8a8``; ``-c``/``-n``/``-t``/``-ngl`` out of range
             (:func:`check_lengths`); a policy size not below ``-c`` (:func:`check_knob_sizes`); torch-only
             flags with ``--backend llamacpp``.
-        ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects.
+        ValueError: a policy knob out of range (whichever policy reads it), or knobs the policy rejects
+            (:func:`check_policy`: e.g. ``--selection per-head`` on llama.cpp, ``--budget`` not above
+            ``--window``).
     """
     if opts.backend not in BACKENDS:
         raise UserError(f"--backend {opts.backend!r} unknown (choose from {', '.join(BACKENDS)})")
@@ -116,6 +118,7 @@ def check_options(opts: RunOptions) -> None:
     check_quant_option(opts)
     check_kv_dtype_option(opts)
     check_torch_placement(opts)
+    check_policy(opts)   # the policy as the backend builds it: its own range checks, before "loading model…"
     if opts.backend == "torch":
         import torch
 

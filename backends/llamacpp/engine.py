@@ -361,8 +361,7 @@ class LlamaCppBackend:
         ids = [int(t) for t in ids]
         self._check_live(seq)
         self._check_ids(ids)
-        if not seq.policy.evicts and len(seq.tokens) + len(ids) > seq.policy.cap:
-            raise ValueError(f"context full: {len(seq.tokens)} + {len(ids)} tokens exceed -c {self.n_ctx}")
+        self._check_room(seq, len(ids))
         rows = []
         done, start = 0, seq.n_written
         while done < len(ids):
@@ -418,6 +417,7 @@ class LlamaCppBackend:
             raise ValueError(f"a batch of {len(seqs)} sequences exceeds n_batch {self._batch.capacity}")
         for s in seqs:
             self._check_live(s)
+            self._check_room(s, 1)
         self._check_ids(tokens)
         for s in seqs:
             self._make_room(s)
@@ -454,8 +454,7 @@ class LlamaCppBackend:
         for s, ids in zip(seqs, ids_list):
             self._check_live(s)
             self._check_ids(ids)
-            if not s.policy.evicts and len(s.tokens) + len(ids) > s.policy.cap:
-                raise ValueError(f"context full: {len(s.tokens)} + {len(ids)} tokens exceed -c {self.n_ctx}")
+            self._check_room(s, len(ids))
         fits = sum(map(len, ids_list)) <= self._batch.capacity and all(
             len(s.tokens) + len(ids) < s.policy.cap for s, ids in zip(seqs, ids_list))
         if not fits:
@@ -474,6 +473,23 @@ class LlamaCppBackend:
             self._appended(s, ids)
             self._observed(s, start, ids)
         return rows if all_logits else np.stack(rows)
+
+    def _check_room(self, seq: LlamaCppSequence, n: int) -> None:
+        """Refuse ``n`` more tokens past ``-c``: cells under full KV; positions under a policy that leaves holes,
+        whose positions (and so rotations) keep counting past what it evicted, as on the torch backend, so
+        ``-c`` bounds the generation's length on both. A shifting policy (streaming, sumr) never runs out.
+
+        Raises:
+            ValueError: ``context full: …`` (nothing has run).
+        """
+        if not seq.policy.evicts:
+            used, limit = len(seq.tokens), seq.policy.cap
+        elif not seq.policy.shifts:
+            used, limit = seq.n_written, self.n_ctx
+        else:
+            return
+        if used + n > limit:
+            raise ValueError(f"context full: {used} + {n} tokens exceed -c {self.n_ctx}")
 
     def _check_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -528,7 +544,8 @@ class LlamaCppBackend:
         seq.n_written += len(ids)
         seq.peak = max(seq.peak, len(seq.tokens))
         cells = self.cells_held(seq)
-        seq.peak_cells_llama = max(seq.peak_cells_llama, cells)
+        # with holes llama.cpp's count is the span of positions, checked here; the cells are ours
+        seq.peak_cells_llama = max(seq.peak_cells_llama, cells if seq.policy.shifts else len(seq.tokens))
         if cells != (len(seq.tokens) if seq.policy.shifts else seq.n_written - seq.origin[0]):
             raise BackendError(f"llama.cpp holds {cells} cells for sequence {seq.seq_id}, zoomr expected "
                                f"{len(seq.tokens)} (KV bookkeeping out of step)")

@@ -219,13 +219,14 @@ def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
 
 
 def _scored(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
-    from .scored import ScoredCells
+    from .scored import PREFILL_ROOM, ScoredCells
 
     first = ScoredCells(config)   # validates the knobs now, before any model loads
     if first.bound > n_ctx:
         raise ValueError(f"{first.name}: --budget {config.budget} + {first.bound - config.budget} buffered tokens "
                          f"exceed -c {n_ctx}")
-    return lambda: ScoredCells(config)
+    room = max(1, min(PREFILL_ROOM, n_ctx - first.bound))   # cells need not outgrow the positions -c allows
+    return lambda: ScoredCells(config, room)
 
 
 # The llama.cpp implementation of each policy the registry lists for this backend, keyed by the policy's config

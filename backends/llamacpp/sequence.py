@@ -21,7 +21,8 @@ class LlamaCppSequence:
         origin: absolute position of each resident token (index in everything written).
         n_written: positions ever written (tokens).
         peak: most cells held at once, zoomr's accounting (tokens).
-        peak_cells_llama: most cells held at once as llama.cpp reports them (pos_max - pos_min + 1).
+        peak_cells_llama: most cells held at once: llama.cpp's count (pos_max - pos_min + 1) when the policy
+            shifts positions, zoomr's when evicted cells leave holes (that span is then checked, not a count).
         evictions, evicted_tokens: eviction bursts and tokens removed by them.
         meter: the sequence's KV accounting (means over decode calls, peaks; see
             :class:`zoomr.backends.base.KVMeter`); None until the engine attaches one.

@@ -75,6 +75,60 @@ def test_decisions_match_the_torch_backend_on_the_same_tokens(policy, embedded_p
     llama.close()
 
 
+def _evictions_step_by_step(be, seqs, tokens, batched):
+    """The cells each sequence keeps after every step of feeding it ``tokens`` (one list per sequence)."""
+    kept = [[] for _ in seqs]
+    for step in range(len(tokens[0])):
+        if batched:
+            be.decode_batch(seqs, [t[step] for t in tokens])
+        else:
+            for s, t in zip(seqs, tokens):
+                be.decode(s, t[step])
+        for k, s in zip(kept, seqs):
+            k.append(tuple(s.origin))
+    return kept
+
+
+def test_a_batch_step_scores_each_sequence_by_its_own_rows():
+    """decode_batch hands each sequence its own rows of the captured queries and keys: two prompts of different
+    lengths evict in a batch as each does alone (rows given to the wrong sequence would rank the other's
+    positions, which the two prompts do not share)."""
+    be = LlamaCppBackend(resolve_model(None), n_ctx=512, threads=1, policy="h2o", budget=16, max_sequences=4)
+    prompts = [be.tokenizer.encode(PROMPT), be.tokenizer.encode("Name three colours of the sea at dusk.")]
+    tokens = [prompts[1] * 3, prompts[0]]
+    runs = {}
+    for batched in (False, True):
+        seqs = [be.new_sequence() for _ in prompts]
+        for s, ids in zip(seqs, prompts):
+            be.prefill(s, ids)
+        runs[batched] = _evictions_step_by_step(be, seqs, [t[:40] for t in tokens], batched)
+        assert all(s.evictions > 0 for s in seqs)
+        for s in seqs:
+            be.free(s)
+    for solo, batch in zip(runs[False], runs[True]):
+        same = sum(a == b for a, b in zip(solo, batch))
+        assert same >= 0.9 * len(solo), (same, len(solo))   # a 2-row matmul may round apart from a 1-row one
+    be.close()
+
+
+def test_minus_c_bounds_the_positions_as_on_torch():
+    """Cells leave holes, so positions keep counting past what was evicted: -c limits them (the generation's
+    length, as on the torch backend), and the cells held never outgrow the positions -c allows."""
+    be = LlamaCppBackend(resolve_model(None), n_ctx=96, threads=1, policy="h2o", budget=16)
+    seq = be.new_sequence()
+    ids = be.tokenizer.encode(PROMPT)[:40]
+    be.prefill(seq, ids)
+    for _ in range(96 - len(ids)):
+        be.decode(seq, 13)
+    assert seq.n_written == 96 and seq.evictions > 0
+    with pytest.raises(ValueError, match="context full: 96 \\+ 1 tokens exceed -c 96"):
+        be.decode(seq, 13)
+    assert seq.n_written == 96                           # nothing ran
+    assert seq.policy.cap <= 96 + 1
+    assert be.kv_stats(seq).extra["llama_peak_cells"] <= seq.policy.cap   # a count of cells, not a span
+    be.close()
+
+
 def test_per_head_selection_is_refused_on_llamacpp():
     with pytest.raises(ValueError, match="shared selection only"):
         LlamaCppBackend(resolve_model(None), n_ctx=512, policy="rkv", budget=32, selection="per-head")
@@ -85,6 +139,15 @@ def test_cli_refuses_per_head_on_llamacpp_with_one_line():
               "per-head", "-n", "4")
     assert_one_line_error(r)
     assert "shared selection only" in r.stderr
+
+
+def test_per_head_selection_is_refused_before_any_model_loads():
+    from zoomr.factory import check_options
+    from zoomr.options import RunOptions
+
+    opts = RunOptions(backend="llamacpp", policy="h2o", knobs={"selection": "per-head"})
+    with pytest.raises(ValueError, match="shared selection only"):
+        check_options(opts)
 
 
 def test_a_graph_without_the_expected_names_is_one_error_not_a_crash():
