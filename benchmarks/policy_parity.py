@@ -3,7 +3,8 @@
 Part 1 (issue 33's target: identical for >= 95% of evictions): for each policy and GSM8K test problem,
 llama.cpp generates ``-n`` greedy tokens; then the torch backend (fp32, ``--selection shared``) and llama.cpp
 are fed that same prompt and text one token at a time and their evictions compared
-(:func:`zoomr.evaluation.eviction_trace.compare_evictions`).
+(:func:`zoomr.evaluation.eviction_trace.compare_evictions`): whole decisions, and evicted positions (what a
+decision that cuts 128 positions at once comes to).
 
 Part 2 (target: llama.cpp h2o and rkv at B = 64 decode >= 0.8x llama.cpp full at the same length): decode
 tokens/s of each policy on llama.cpp against ``full`` after the same prompt, engines taking turns over
@@ -67,14 +68,18 @@ def main() -> None:
     for policy in policies:
         llama = LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=policy, budget=a.budget)
         shared = torch_be.with_cache_factory(PolicyCacheFactory(PolicySpec(policy, a.budget, selection="shared")))
-        ev = same = 0
+        ev = same = pos = agreed = 0
         for prob in problems:
             prompt = problem_prompt(llama.tokenizer, prob, a.n + 1024)
             text, _ = greedy(llama, prompt, a.n)
             agree = compare_evictions(shared, llama, prompt, text)
             ev, same = ev + agree.evictions, same + agree.identical
-        out["parity"][policy] = {"evictions": ev, "identical": same, "share": same / ev if ev else 1.0}
-        print(f"{policy}: {same}/{ev} evictions identical ({out['parity'][policy]['share']:.3f})", flush=True)
+            pos, agreed = pos + agree.positions, agreed + agree.agreed
+        row = out["parity"][policy] = {"evictions": ev, "identical": same, "share": same / ev if ev else 1.0,
+                                       "evicted_positions": pos, "agreed_positions": agreed,
+                                       "position_share": agreed / pos if pos else 1.0}
+        print(f"{policy}: {same}/{ev} evictions identical ({row['share']:.3f}); {agreed}/{pos} evicted positions "
+              f"agreed ({row['position_share']:.3f})", flush=True)
         llama.close()
 
     engines = {p: LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=p,

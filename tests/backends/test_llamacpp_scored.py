@@ -72,6 +72,7 @@ def test_decisions_match_the_torch_backend_on_the_same_tokens(policy, embedded_p
     agree = compare_evictions(torch_be, llama, prompt, text)
     assert agree.evictions >= (10 if policy == "h2o" else 1)   # keydiff cuts once per 128 tokens
     assert agree.share >= 0.8, agree
+    assert agree.agreed <= agree.positions and agree.position_share >= 0.9, agree
     llama.close()
 
 

@@ -5,7 +5,10 @@ a time), so their decisions can differ only where their arithmetic does (llama.c
 and f16 cache against torch's fp32). After each step the positions each backend keeps are read: llama.cpp's
 resident cells (``seq.origin``) and the torch cache's attended positions (KV head 0 of layer 0, the same for
 every head and layer under ``--selection shared``). A step is an *eviction* when either side dropped
-positions; a decision is *identical* when both dropped exactly the same ones.
+positions; a decision is *identical* when both dropped exactly the same ones. Policies that cut many positions
+at once (SnapKV, R-KV and KeyDiff drop their 128-token buffer each time) are also counted per position: of the
+positions either side evicted at a step, the share both evicted, since one near-tied pair swapped at the
+boundary of a 128-position cut makes the whole decision differ.
 """
 
 from __future__ import annotations
@@ -20,15 +23,24 @@ class EvictionAgreement:
     Attributes:
         evictions: steps at which either backend evicted something.
         identical: those at which both evicted exactly the same positions.
+        positions: positions evicted by either backend, summed over those steps (tokens).
+        agreed: of those, the positions both evicted at the same step (tokens).
     """
 
     evictions: int
     identical: int
+    positions: int = 0
+    agreed: int = 0
 
     @property
     def share(self) -> float:
         """identical / evictions (1.0 when nothing was evicted)."""
         return self.identical / self.evictions if self.evictions else 1.0
+
+    @property
+    def position_share(self) -> float:
+        """agreed / positions (1.0 when nothing was evicted)."""
+        return self.agreed / self.positions if self.positions else 1.0
 
 
 def _evicted(before: set[int], new: int, after: set[int]) -> frozenset[int]:
@@ -51,9 +63,9 @@ def compare_evictions(torch_backend, llama_backend, prompt: list[int], continuat
     try:
         torch_backend.prefill(ts, prompt)
         llama_backend.prefill(ls, prompt)
-        t_before = set(ts.cache.positions(0)[0].tolist())
+        t_before = _torch_kept(ts)   # the prompt's cut: llama.cpp makes it in prefill, torch at the next forward
         l_before = set(ls.origin)
-        evictions = identical = 0
+        evictions = identical = positions = agreed = 0
         for tok in continuation:
             new = len(ts.tokens)
             llama_backend.decode(ls, tok)
@@ -64,8 +76,9 @@ def compare_evictions(torch_backend, llama_backend, prompt: list[int], continuat
             if a or b:
                 evictions += 1
                 identical += a == b
+                positions, agreed = positions + len(a | b), agreed + len(a & b)
             t_before, l_before = t_after, l_after
-        return EvictionAgreement(evictions, identical)
+        return EvictionAgreement(evictions, identical, positions, agreed)
     finally:
         torch_backend.free(ts)
         llama_backend.free(ls)
