@@ -15,7 +15,7 @@ shares cells) and one stream per sequence (evicting policies: a fork copies the 
 Reported per fork (CPU time): ``llama_memory_seq_cp`` and the extra time of the child's first decode over a
 plain decode (where llama.cpp performs a stream copy), at several prefix lengths.
 
-    python benchmarks/llamacpp_speed.py [-m MODEL.gguf] [-n 256] [-t 1] [--budget 64] [--repeats 3] [--scored h2o,rkv]
+    python benchmarks/llamacpp_speed.py [-m MODEL.gguf] [-n 256] [-t 1] [--budget 64] [--repeats 3] [--scored h2o,rkv,zoomr]
 """
 
 from __future__ import annotations
@@ -84,12 +84,15 @@ def throughput(src, a) -> list[dict]:
     full = LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, max_sequences=1)
     llm = llama_cpp.Llama(model_path=str(src.path), n_ctx=len(ids) + a.n + 8, n_threads=a.threads,
                           n_threads_batch=a.threads, verbose=False)
-    # the score-ranked policies read queries and keys through cb_eval: their rows show what that costs
-    scored = {p: LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, policy=p, budget=a.budget,
-                                 max_sequences=1) for p in a.scored}
+    # the score-ranked policies and zoomr read queries and keys through cb_eval: their rows show what that costs
+    # (zoomr sized by its window and segments, not a budget; its store and active sequences take two ids)
+    knobs = {p: ({"window": a.zoomr_window} if p == "zoomr" else {"budget": a.budget}) for p in a.scored}
+    scored = {p: LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, policy=p, **knobs[p],
+                                 max_sequences=2 if p == "zoomr" else 1) for p in a.scored}
     runs = {
         f"zoomr llamacpp, streaming B={a.budget}": lambda: engine_decode_s(evict, ids, a.n),
-        **{f"zoomr llamacpp, {p} B={a.budget}": (lambda be=be: engine_decode_s(be, ids, a.n)) for p, be in scored.items()},
+        **{f"zoomr llamacpp, {p} {'w' if p == 'zoomr' else 'B'}={next(iter(knobs[p].values()))}":
+           (lambda be=be: engine_decode_s(be, ids, a.n)) for p, be in scored.items()},
         "zoomr llamacpp, full KV": lambda: engine_decode_s(full, ids, a.n),
         "llama-cpp-python Llama.generate": lambda: llama_generate_s(llm, ids, a.n),
     }
@@ -162,7 +165,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scored", type=lambda s: [x for x in s.split(",") if x], default=["h2o", "snapkv", "rkv", "keydiff"],
-                    help="score-ranked policies timed beside streaming and full (comma list; empty: none)")
+                    help="score-ranked policies (and zoomr) timed beside streaming and full (comma list; empty: none)")
+    ap.add_argument("--zoomr-window", type=int, default=256, help="zoomr's --window in the zoomr row (tokens)")
     ap.add_argument("--fork-prefix", type=lambda s: [int(x) for x in s.split(",")], default=[64, 512, 2048],
                     help="prefix lengths for the fork-cost table (tokens, comma-separated)")
     ap.add_argument("--skip", choices=["throughput", "fork"], default=None)

@@ -1,16 +1,18 @@
-"""Score-ranked policies on both backends: eviction decisions over the same tokens, and llama.cpp's decode cost.
+"""Score-ranked policies and zoomr on both backends: eviction decisions over the same tokens, and llama.cpp's
+decode cost.
 
 Part 1 (issue 33's target: identical for >= 95% of evictions): for each policy and GSM8K test problem,
 llama.cpp generates ``-n`` greedy tokens; then the torch backend (fp32, ``--selection shared``) and llama.cpp
 are fed that same prompt and text one token at a time and their evictions compared
 (:func:`zoomr.evaluation.eviction_trace.compare_evictions`): whole decisions, and evicted positions (what a
-decision that cuts 128 positions at once comes to).
+decision that cuts 128 positions at once comes to). For zoomr a decision is a recompute's drop; the positions it
+brings back are the store's.
 
 Part 2 (target: llama.cpp h2o and rkv at B = 64 decode >= 0.8x llama.cpp full at the same length): decode
 tokens/s of each policy on llama.cpp against ``full`` after the same prompt, engines taking turns over
 ``--repeats`` rounds (median).
 
-    python benchmarks/policy_parity.py [--problems 3] [-n 512] [--budget 64] [-t 2] [--json out.json]
+    python benchmarks/policy_parity.py [--problems 3] [-n 512] [--budget 64] [--zoomr-window 128] [-t 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import time
 
 import numpy as np
 
-POLICIES = ("h2o", "snapkv", "rkv", "keydiff")
+POLICIES = ("h2o", "snapkv", "rkv", "keydiff", "zoomr")
+
+
+def knobs_of(policy: str, budget: int, zoomr_window: int) -> dict:
+    """The knobs each policy runs with: ``--budget`` for the score-ranked ones (one selection for all layers
+    and heads), ``--window`` for zoomr (its selection is one already: every layer and head votes)."""
+    return {"window": zoomr_window} if policy == "zoomr" else {"budget": budget, "selection": "shared"}
 
 
 def greedy(be, ids: list[int], n: int) -> tuple[list[int], float]:
@@ -46,6 +54,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--zoomr-window", type=int, default=128, help="zoomr's --window (tokens)")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -66,8 +75,10 @@ def main() -> None:
     out = {"budget": a.budget, "n": a.n, "threads": a.threads, "parity": {}, "speed": {}}
     torch_be = TorchBackend(src, device="cpu", dtype="fp32", n_ctx=a.n + 1024)
     for policy in policies:
-        llama = LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=policy, budget=a.budget)
-        shared = torch_be.with_cache_factory(PolicyCacheFactory(PolicySpec(policy, a.budget, selection="shared")))
+        knobs = knobs_of(policy, a.budget, a.zoomr_window)
+        llama = LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=policy,
+                                **{k: v for k, v in knobs.items() if k != "selection"})
+        shared = torch_be.with_cache_factory(PolicyCacheFactory(PolicySpec(policy, **knobs)))
         ev = same = pos = agreed = 0
         for prob in problems:
             prompt = problem_prompt(llama.tokenizer, prob, a.n + 1024)
@@ -82,8 +93,9 @@ def main() -> None:
               f"agreed ({row['position_share']:.3f})", flush=True)
         llama.close()
 
-    engines = {p: LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=p,
-                                  **({} if p == "full" else {"budget": a.budget})) for p in ("full", *policies)}
+    engines = {p: LlamaCppBackend(src, n_ctx=a.n + 1024, threads=a.threads, policy=p, **(
+        {} if p == "full" else {k: v for k, v in knobs_of(p, a.budget, a.zoomr_window).items() if k != "selection"}))
+        for p in ("full", *policies)}
     prompt = problem_prompt(engines["full"].tokenizer, problems[0], a.n + 1024)
     rates: dict[str, list[float]] = {p: [] for p in engines}
     for r in range(a.repeats):

@@ -213,7 +213,8 @@ for _row in (
                "(ZoomR's SumR ablation)", backends=("torch", "llamacpp"), label="SumR", colour="#0072b2"),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "
                "the c most-voted zoomed in (ZoomR)", scores="queries and mean summary keys per layer and head",
-               label="ZoomR", colour="#d55e00", matched_target=True),   # the paper's same-memory comparison
+               label="ZoomR", colour="#d55e00", backends=BOTH,
+               matched_target=True),   # the paper's same-memory comparison
 ):
     register(_row)
 
@@ -291,11 +292,8 @@ def check_backend(name: str, backend: str) -> PolicyInfo:
 
 def missing(name: str, backend: str) -> str:
     """Why ``backend`` does not run policy ``name``, as the end of a sentence starting with its name:
-    ``brings evicted positions back, and llama.cpp keeps no copy of an evicted cell ...``."""
-    info = policy_info(name)
-    if backend == "llamacpp" and info.host_store:
-        return ("brings evicted positions back, and llama.cpp keeps no copy of an evicted cell (a store sequence of "
-                "every position would save attention, not KV memory)")
+    ``has no llamacpp implementation``."""
+    policy_info(name)
     return f"has no {backend} implementation"
 
 

@@ -51,6 +51,18 @@ def check_policy(opts: RunOptions) -> None:
         torch_cache_factory(opts)
 
 
+def check_forks(opts: RunOptions) -> None:
+    """``opts.policy`` can fork a sequence on ``opts.backend`` (KV-Rescue forks the base for its candidates).
+
+    Raises:
+        ValueError: the policy's own refusal (zoomr on llama.cpp: its store holds every position).
+    """
+    if opts.backend == "llamacpp":
+        from zoomr.backends.llamacpp.policies import make_policy
+
+        make_policy(opts.policy, opts.ctx_size, **opts.policy_knobs())().fork()
+
+
 def _torch(opts: RunOptions) -> Backend:
     from zoomr.backends.torch.engine import TorchBackend
 

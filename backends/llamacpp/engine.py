@@ -46,7 +46,7 @@ from zoomr.kvstore.registry import REFERENCE, PolicySpec
 from .batch import Batch
 from .policies import STREAMING_BUFFER, make_policy
 from .runtime import GGML_TYPE_F16, decode_error, gpu_offload_supported, load_model, model_info, new_context
-from .sequence import LlamaCppSequence, cells_held, remove_positions
+from .sequence import LlamaCppSequence, cells_held, position_ranges, remove_positions
 
 FORK_ROOM = 512  # cells reserved per extra sequence id: one KV-Rescue step (≤ 512 tokens) per candidate
 DEFAULT_SEQUENCES = 8  # the parent + 7 candidates (KV-Rescue forks N_b base candidates per step)
@@ -160,8 +160,13 @@ class LlamaCppBackend:
         self._new_policy = make_policy(policy, n_ctx, buffer=buffer, events=self.kv_events, **knobs)
         self.policy_name = policy
         self.policy_spec = PolicySpec(policy, **knobs)
-        cap = self._new_policy().cap
-        self.unified = not self._new_policy().evicts  # see the module docstring
+        first = self._new_policy()
+        cap = first.cap
+        self.keeps_store = getattr(first, "keeps_store", False)
+        # see the module docstring; a store and its active sequence share cells, so they need one pool
+        self.unified = not first.evicts or self.keeps_store
+        if self.keeps_store:   # one sequence (store + active ids), every position in the pool
+            max_sequences, kv_cells = max_sequences or 2, kv_cells or cap
         max_sequences, kv_cells = size_cache(cap, not self.unified, max_sequences, kv_cells)
         if not 1 <= max_sequences <= llama_cpp.llama_max_parallel_sequences():
             raise ValueError(f"max_sequences must be in [1, {llama_cpp.llama_max_parallel_sequences()}], "
@@ -196,8 +201,8 @@ class LlamaCppBackend:
 
         self._model = load_model(self.source.path, self.n_gpu_layers)
         self.info = model_info(self._model)
-        evicts = not self.unified
-        if evicts and (llama_cpp.llama_model_is_recurrent(self._model)
+        policy = self._new_policy()
+        if policy.evicts and (llama_cpp.llama_model_is_recurrent(self._model)
                        or llama_cpp.llama_model_is_hybrid(self._model)):
             raise ValueError(f"--policy {self.policy_name} removes KV cells, which this recurrent/hybrid model "
                              "cannot do")
@@ -208,7 +213,7 @@ class LlamaCppBackend:
             raise ValueError(f"{self.source.path}: tokenizer has {self.tokenizer.vocab_size} ids, "
                              f"model {self.info.n_vocab}")
         self.capture = None
-        if self._new_policy().wants_kq:   # a score-ranked policy reads each forward's queries and keys
+        if policy.wants_kq:   # score-ranked policies and zoomr read each forward's queries and keys
             from .capture import KQCapture
             from .scored import Shapes
 
@@ -217,7 +222,7 @@ class LlamaCppBackend:
             self.capture = KQCapture(*dataclasses.astuple(self.shapes))
         self._ctx, self._mem = new_context(self._model, kv_cells, n_batch, self.max_sequences, self.unified,
                                            self.threads, self.capture.callback if self.capture else None)
-        if evicts and not llama_cpp.llama_memory_can_shift(self._mem):
+        if policy.evicts and policy.shifts and not llama_cpp.llama_memory_can_shift(self._mem):
             raise ValueError(f"--policy {self.policy_name} shifts KV positions, which llama.cpp cannot do for this "
                              "model")
         self.kv_cells = llama_cpp.llama_n_ctx(self._ctx)
@@ -272,8 +277,11 @@ class LlamaCppBackend:
         """One line: model, backend, device, KV type, layers, policy, and the KV cells in plain words."""
         device = f"gpu (-ngl {self.n_gpu_layers})" if gpu_offload_supported() and self.n_gpu_layers else "cpu"
         policy = self._new_policy().describe()
+        cache = (f"KV cache {self.kv_cells} cells (tokens), every position kept in a store sequence: the selection "
+                 "saves attention, not KV memory" if self.keeps_store
+                 else cache_words(self.kv_cells, self.max_sequences, self.unified))
         return (f"{self.source.name} · llamacpp · {device} · {self.threads} threads · KV f16 · {self.info.n_layer} "
-                f"layers · KV policy {policy} · {cache_words(self.kv_cells, self.max_sequences, self.unified)}")
+                f"layers · KV policy {policy} · {cache}")
 
     def set_abort(self, should_abort: Callable[[], bool] | None) -> None:
         """Install a check llama.cpp calls during ``llama_decode``; True aborts it (BackendError).
@@ -300,7 +308,14 @@ class LlamaCppBackend:
         policy = self._new_policy()
         if policy.wants_kq:
             policy.bind(self.shapes)
-        return LlamaCppSequence(self._take_id(), policy)
+        seq = LlamaCppSequence(self._take_id(), policy)
+        if self.keeps_store:
+            try:
+                seq.store_id = self._take_id()
+            except BackendError:
+                self._free_ids.append(seq.seq_id)
+                raise
+        return seq
 
     def _take_id(self) -> int:
         if not self._free_ids:
@@ -321,7 +336,8 @@ class LlamaCppBackend:
         import llama_cpp
 
         self._check_live(seq)
-        child = LlamaCppSequence(self._take_id(), seq.policy.fork(), list(seq.tokens), list(seq.origin),
+        forked = seq.policy.fork()   # zoomr refuses (ValueError) before an id is taken
+        child = LlamaCppSequence(self._take_id(), forked, list(seq.tokens), list(seq.origin),
                                  seq.n_written, len(seq.tokens), len(seq.tokens),
                                  meter=seq.meter.copy() if seq.meter else None, forwards=seq.forwards)
         llama_cpp.llama_memory_seq_cp(self._mem, seq.seq_id, child.seq_id, -1, -1)
@@ -336,9 +352,11 @@ class LlamaCppBackend:
 
         if seq.seq_id < 0:
             return
-        llama_cpp.llama_memory_seq_rm(self._mem, seq.seq_id, -1, -1)
-        self._free_ids.append(seq.seq_id)
-        seq.seq_id = -1
+        for sid in (seq.seq_id, seq.store_id):
+            if sid >= 0:
+                llama_cpp.llama_memory_seq_rm(self._mem, sid, -1, -1)
+                self._free_ids.append(sid)
+        seq.seq_id = seq.store_id = -1
         seq.tokens, seq.origin = [], []
 
     def _check_live(self, seq: LlamaCppSequence) -> None:
@@ -364,6 +382,7 @@ class LlamaCppBackend:
         self._check_room(seq, len(ids))
         rows = []
         done, start = 0, seq.n_written
+        chunked = seq.policy.wants_kq and getattr(seq.policy, "observes_chunks", True)
         while done < len(ids):
             self._make_room(seq)
             n = min(len(ids) - done, seq.policy.cap - len(seq.tokens), self._batch.capacity)
@@ -371,14 +390,13 @@ class LlamaCppBackend:
             self._batch.set_run(chunk, seq.next_position, seq.seq_id, all_logits)
             self._run([seq])
             rows.extend(self._logits(i) for i in (range(n) if all_logits else [n - 1]))
-            if seq.policy.wants_kq:   # each chunk scored (and cut) before the next
+            if seq.policy.wants_kq:
                 seq.policy.take_kq(*self._kq_rows(0, n))
-                self._appended(seq, chunk)
+            self._appended(seq, chunk)
+            if chunked:   # each chunk scored (and cut) before the next
                 self._observed(seq, seq.n_written - n, chunk)
-            else:
-                self._appended(seq, chunk)
             done += n
-        if not seq.policy.wants_kq:
+        if not chunked:
             self._observed(seq, start, ids)
         return np.stack(rows) if all_logits else rows[-1]
 
@@ -460,7 +478,8 @@ class LlamaCppBackend:
         if not fits:
             rows = [self.prefill(s, ids, all_logits) for s, ids in zip(seqs, ids_list)]
             return rows if all_logits else np.stack(rows)
-        starts = self._batch.set_runs([(ids, s.next_position, s.seq_id) for s, ids in zip(seqs, ids_list)], all_logits)
+        starts = self._batch.set_runs([(ids, s.next_position, s.seq_id) for s, ids in zip(seqs, ids_list)],
+                                      all_logits)
         self._run(seqs)
         rows = []
         for s, ids, i0 in zip(seqs, ids_list, starts):
@@ -539,6 +558,11 @@ class LlamaCppBackend:
 
     def _appended(self, seq: LlamaCppSequence, ids: list[int]) -> None:
         """Record tokens llama.cpp now holds, and check its cell count agrees with ours."""
+        import llama_cpp
+
+        if seq.store_id >= 0:
+            # into the store after the forward: a batch row tagged with both ids would attend both ids' cells
+            llama_cpp.llama_memory_seq_cp(self._mem, seq.seq_id, seq.store_id, seq.n_written, seq.n_written + len(ids))
         seq.tokens.extend(ids)
         seq.origin.extend(range(seq.n_written, seq.n_written + len(ids)))
         seq.n_written += len(ids)
@@ -562,8 +586,27 @@ class LlamaCppBackend:
                        device_bytes=self.kv_cells * b, state_bytes=seq.policy.state_bytes())
         seq.forwards += 1
         text = self.tokenizer.decode(ids) if seq.policy.wants_text else ""
-        if seq.policy.observe(start, ids, text) or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):
+        changed = seq.policy.observe(start, ids, text)
+        if changed and seq.store_id >= 0:
+            self._reselect(seq, seq.policy.selection())
+        elif changed or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):
             remove_positions(self._mem, seq, seq.policy.evict(list(seq.origin)))
+
+    def _reselect(self, seq: LlamaCppSequence, keep: list[int]) -> None:
+        """Make ``seq``'s active cells exactly ``keep`` (ascending absolute positions): ``seq_rm`` the ones
+        leaving, ``seq_cp`` from the store the ones coming back (no data copied: the pool is unified)."""
+        import llama_cpp
+
+        kept = set(keep)
+        remove_positions(self._mem, seq, position_ranges([p for p in seq.origin if p not in kept]))
+        held = set(seq.origin)
+        back = [p for p in keep if p not in held]
+        for p0, p1 in position_ranges(back):
+            llama_cpp.llama_memory_seq_cp(self._mem, seq.store_id, seq.seq_id, p0, p1)
+        if back:
+            seq.origin = sorted(held | set(back))
+            seq.tokens = [seq.policy.written[p] for p in seq.origin]
+            seq.policy.restored += len(back)
 
     def cells_held(self, seq: LlamaCppSequence) -> int:
         """KV cells llama.cpp holds for ``seq`` (see :func:`zoomr.backends.llamacpp.sequence.cells_held`)."""
@@ -602,6 +645,8 @@ class LlamaCppBackend:
         held = (self.cells_held(seq) if seq.policy.shifts else len(seq.tokens)) if seq.seq_id >= 0 else 0
         extra = {"llama_cells": held, "llama_peak_cells": seq.peak_cells_llama,
                  "evictions": seq.evictions, "evicted_tokens": seq.evicted_tokens}
+        if seq.store_id >= 0:   # zoomr: llama.cpp's KV holds every position; the selection saves attention only
+            extra["llama_store_cells"] = seq.n_written
         if seq.policy.evicts:
             extra.update(policy=seq.policy.describe(), **seq.policy.stats())
         meter = seq.meter or KVMeter(b, getattr(seq.policy, "bound", seq.policy.cap) if seq.policy.evicts else None,

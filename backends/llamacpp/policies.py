@@ -6,15 +6,17 @@ eviction), ``streaming`` (attention sinks + recent tokens, StreamingLLM) and ``s
 summaries + recent tokens, ZoomR's SumR ablation; see :mod:`zoomr.backends.llamacpp.sumr`). The
 score-ranked ones (``h2o``, ``snapkv``, ``rkv``, ``keydiff``) read each forward's queries and keys through
 llama.cpp's eval callback and run the torch backend's scoring code, with one selection shared by every
-layer and head (:mod:`zoomr.backends.llamacpp.scored`). Which policies run here, and what the others need,
-is the registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the knobs and their defaults
+layer and head (:mod:`zoomr.backends.llamacpp.scored`). ``zoomr`` keeps every position in a store sequence and
+moves its selection in an active one (:mod:`zoomr.backends.llamacpp.zoomr_cells`). Which policies run here,
+and what the others need, is the registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the
+knobs and their defaults
 are the policies' configs; asking for a policy that needs attention is a ``ValueError`` naming what
 is supported.
 
 A policy answers, for one sequence, which positions go and when. Positions are *absolute* (the
 index of a token in everything the sequence ever wrote), so a policy never sees the engine's
 position shifts. Evicted cells are gone for good (llama.cpp keeps no host copy), so a policy must
-never drop a position it may want back.
+never drop a position it may want back; zoomr, which does, evicts nothing from its store.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from zoomr.kvstore.rkv import RKVConfig
 from zoomr.kvstore.snapkv import SnapKVConfig
 from zoomr.kvstore.streaming import StreamingConfig
 from zoomr.kvstore.sumr import SumRConfig
+from zoomr.kvstore.zoomr import ZoomRConfig
 
 
 class CellPolicy(Protocol):
@@ -48,6 +51,11 @@ class CellPolicy(Protocol):
             (``take_kq``, then ``observe`` for each prefill chunk) before :meth:`observe`.
         shifts: True when eviction closes the gap (``seq_add``: positions stay compact, keys re-rotated);
             False when evicted cells leave holes and every cell keeps its position.
+
+    Optional (read with ``getattr``, default False / True): ``keeps_store`` — the sequence owns a second,
+    store sequence id holding every position, and :meth:`observe` returning True means "call ``selection()``
+    and make the active cells exactly those" (zoomr); ``observes_chunks`` — a prompt prefilled in chunks is
+    observed chunk by chunk (False: once, after the last chunk).
     """
 
     name: str
@@ -229,13 +237,20 @@ def _scored(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory
     return lambda: ScoredCells(config, room)
 
 
+def _zoomr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+    from .zoomr_cells import ZoomRCells
+
+    ZoomRCells(config, n_ctx)   # validates the knobs now, before any model loads
+    return lambda: ZoomRCells(config, n_ctx, events)
+
+
 # The llama.cpp implementation of each policy the registry lists for this backend, keyed by the policy's config
 # class (the registry row's ``config``): the registry names policies and says which backends run them, this
 # module only says how, so no policy name is spelled twice. tests/kv/test_registry.py checks that the two
 # agree (kvstore may not import a backend, so the registry cannot hold these factories itself).
 CELL_POLICIES: dict[type[PolicyConfig], Callable[..., Factory]] = {
     FullConfig: _full, StreamingConfig: _streaming, SumRConfig: _sumr,
-    H2OConfig: _scored, SnapKVConfig: _scored, RKVConfig: _scored, KeyDiffConfig: _scored}
+    H2OConfig: _scored, SnapKVConfig: _scored, RKVConfig: _scored, KeyDiffConfig: _scored, ZoomRConfig: _zoomr}
 
 
 def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events: EventBus | None = None,

@@ -26,6 +26,8 @@ import torch
 from zoomr.kvstore.knobs import PolicyConfig
 from zoomr.kvstore.policy import ForwardInfo, LayerView, PolicyContext, ScoredPolicy
 
+from .sequence import position_ranges
+
 PREFILL_ROOM = 512  # cells a sequence may hold beyond the policy's bound while a prompt is prefilled (tokens)
 
 
@@ -101,8 +103,8 @@ class ScoredCells:
             raise RuntimeError("ScoredCells.observe without the forward's queries and keys (take_kq)")
         (q_layers, k_layers), self._kq = self._kq, None
         T = len(ids)
-        q = _heads_first(q_layers)                                   # [L·H, T, d]
-        k = _heads_first(k_layers)                                   # [L·Hkv, T, d]
+        q = heads_first(q_layers)                                   # [L·H, T, d]
+        k = heads_first(k_layers)                                   # [L·Hkv, T, d]
         keys = torch.cat([self.keys, k], dim=1)
         positions = torch.cat([self.positions, torch.arange(start, start + T)])
         rows = positions.expand(keys.shape[0], -1)
@@ -123,7 +125,7 @@ class ScoredCells:
             return []
         kept = set(self._keep.tolist())
         self._keep = None
-        return _ranges([p for p in resident if p not in kept])
+        return position_ranges([p for p in resident if p not in kept])
 
     def fork(self) -> "ScoredCells":
         """An independent copy: the key shadow is shared (replaced, never written in place), the policy forked."""
@@ -145,19 +147,8 @@ class ScoredCells:
         return self.keys.numel() * self.keys.element_size() + self.policy.state_bytes()
 
 
-def _heads_first(layers: list[np.ndarray]) -> torch.Tensor:
+def heads_first(layers: list[np.ndarray]) -> torch.Tensor:
     """Per-layer [T, heads, d] arrays → [L·heads, T, d], layer-major (layer l's head h at row l·heads + h)."""
     x = torch.from_numpy(np.stack(layers))               # [L, T, heads, d]
     L, T, heads, d = x.shape
     return x.permute(0, 2, 1, 3).reshape(L * heads, T, d)
-
-
-def _ranges(positions: list[int]) -> list[tuple[int, int]]:
-    """Sorted positions → disjoint half-open runs ``[p0, p1)``."""
-    out: list[tuple[int, int]] = []
-    for p in positions:
-        if out and out[-1][1] == p:
-            out[-1] = (out[-1][0], p + 1)
-        else:
-            out.append((p, p + 1))
-    return out

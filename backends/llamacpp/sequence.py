@@ -27,6 +27,8 @@ class LlamaCppSequence:
         meter: the sequence's KV accounting (means over decode calls, peaks; see
             :class:`zoomr.backends.base.KVMeter`); None until the engine attaches one.
         forwards: prefill/decode calls so far.
+        store_id: a second llama.cpp sequence id holding every position (zoomr), else -1; ``seq_id`` is
+            then the active one, holding the selection.
     """
 
     seq_id: int
@@ -40,6 +42,7 @@ class LlamaCppSequence:
     evicted_tokens: int = 0
     meter: KVMeter | None = None
     forwards: int = 0
+    store_id: int = -1
 
     @property
     def next_position(self) -> int:
@@ -106,3 +109,14 @@ def _remove_holes(mem, seq: LlamaCppSequence, ranges: list[tuple[int, int]]) -> 
     seq.evicted_tokens += removed
     if removed:
         seq.evictions += 1
+
+
+def position_ranges(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted positions → disjoint half-open runs ``[p0, p1)`` (what ``llama_memory_seq_rm``/``seq_cp`` take)."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out

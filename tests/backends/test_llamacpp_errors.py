@@ -63,10 +63,16 @@ def test_context_full_and_bad_ids_are_value_errors_before_any_decode(small):
     small.free(seq)
 
 
-def test_zoomr_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"--policy zoomr brings evicted positions back.* supports full, streaming, "
-                                         r"h2o, snapkv, rkv, keydiff, sumr"):
-        LlamaCppBackend(resolve_model(None), policy="zoomr")
+def test_zoomr_refuses_to_fork_on_llamacpp():
+    """A fork would need its own copy of the store: refused by name, and no sequence id is lost."""
+    be = LlamaCppBackend(resolve_model(None), n_ctx=256, threads=1, policy="zoomr", window=32)
+    seq = be.new_sequence()
+    be.prefill(seq, [1, 2, 3])
+    with pytest.raises(ValueError, match="--policy zoomr on --backend llamacpp cannot fork"):
+        be.fork(seq)
+    be.free(seq)
+    be.free(be.new_sequence())   # both ids came back
+    be.close()
 
 
 def test_hf_directory_is_refused(tmp_path):
@@ -79,10 +85,9 @@ def test_cli_unsupported_policy_is_one_line_exit_2(command):
     """Refused with the flags, before any model loads: the error is the only line on stderr (it once came
     after "loading model…")."""
     args = ["solve", "-p", "What is 2+3?"] if command == "solve" else ["chat"]
-    r = subprocess.run(zoomr_cmd() + args + ["--backend", "llamacpp", "--policy", "zoomr", "--no-live"], cwd=ROOT,
+    r = subprocess.run(zoomr_cmd() + args + ["--backend", "llamacpp", "--policy", "nope", "--no-live"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120, input="")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("zoomr: error: --policy zoomr brings evicted positions back")
-    assert "supports full, streaming, h2o, snapkv, rkv, keydiff, sumr" in lines[0]
+    assert lines[0].startswith("zoomr: error: --policy 'nope' unknown (choose from full, streaming")

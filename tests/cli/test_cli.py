@@ -248,8 +248,8 @@ def test_a_record_that_cannot_be_written_at_the_end_goes_to_the_temp_dir(unwrita
     (["--rescue", "--budget", "9000"], "--budget 9000 is not below -c"),
     # the -ngl note ("has no effect ... CPU") is said when the model loads, so a refused run prints its error alone
     (["-ngl", "99", "--policy", "rkv", "--budget", "9999"], "--budget 9999"),
-    # a policy llama.cpp cannot run is known from the flags (it came after "loading model…")
-    (["--backend", "llamacpp", "--policy", "zoomr"], "--policy zoomr brings evicted positions back"),
+    # the policy is built as the backend builds it, with the flags (it came after "loading model…")
+    (["--backend", "llamacpp", "--policy", "h2o", "--selection", "per-head"], "shared selection only"),
     # the rescue loop ends at a committed end-of-sequence: --ignore-eos was accepted and did nothing
     (["--rescue", "--ignore-eos"], "--ignore-eos does not apply to --rescue"),
 ])

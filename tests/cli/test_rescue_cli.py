@@ -139,7 +139,7 @@ def test_bad_input_is_one_line_exit_2():
     (RescueOptions(rescue=True, abort_repeat=-5), RunOptions(), "--abort-repeat"),
     (RescueOptions(rescue=True, preset="nope"), RunOptions(), "rescue_nope.toml"),
     (RescueOptions(rescue=True, base_policy="zoomr"), RunOptions(backend="llamacpp"),
-     "--base-policy: --policy zoomr brings evicted positions back"),
+     "--base-policy: --policy zoomr on --backend llamacpp cannot fork"),
     (RescueOptions(rescue=True), RunOptions(knobs={"budget": 8}), "--base-policy: rkv: --budget 8"),
     (RescueOptions(rescue=True, prm="/nonexistent/prm"), RunOptions(), "--prm"),
     (RescueOptions(rescue=True, helper="nope/missing.gguf"), RunOptions(), "--helper: nope/missing.gguf: no such model"),

@@ -59,8 +59,9 @@ def test_a_knob_out_of_range_is_one_value_error_naming_its_flag(name, knob_name)
 def test_shipped_table_and_derived_lists():
     assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
     assert budgeted() == ("streaming", "h2o", "snapkv", "rkv", "keydiff")
-    assert policy_names("llamacpp") == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr")
-    assert evicting("llamacpp") == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr") and REFERENCE not in evicting()
+    assert policy_names("llamacpp") == policy_names()   # every shipped policy runs on both backends
+    assert evicting("llamacpp") == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
+    assert REFERENCE not in evicting()
     flags = knob_flags()
     assert flags["window"].readers == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
     assert flags["window"].default is None            # the readers differ: each keeps its own
@@ -68,9 +69,6 @@ def test_shipped_table_and_derived_lists():
     assert flags["sink"].readers == ("streaming",) and flags["topk_per_head"].flag == "--topk-per-head"
     with pytest.raises(TypeError, match="full has no knob 'budget'"):
         PolicySpec("full", 16).build()  # a knob is its policy's: no flat bag
-    with pytest.raises(ValueError, match=r"--policy zoomr brings evicted positions back.* supports full, streaming, "
-                                         r"h2o, snapkv, rkv, keydiff, sumr \(use --backend torch for zoomr\)"):
-        check_backend("zoomr", "llamacpp")
 
 
 def test_docs_policy_page_shows_the_table_the_registry_renders():
@@ -157,6 +155,12 @@ def test_a_policy_role_is_claimed_once(stride):
     assert "stride" not in REGISTRY
     register(stride)   # the fixture removes it again
     assert stride.colour == "" and policy_colour("stride") in FALLBACK_COLOURS
+
+
+def test_a_policy_one_backend_lacks_is_refused_there_by_name(stride):
+    with pytest.raises(ValueError, match=r"--policy stride has no llamacpp implementation; the llamacpp backend "
+                                         r"supports full, .*zoomr \(use --backend torch for stride\)"):
+        check_backend("stride", "llamacpp")
 
 
 def test_an_eighth_policy_reaches_the_cli_options(stride):

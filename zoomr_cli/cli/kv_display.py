@@ -37,7 +37,8 @@ def policy_line(kv: KVStats) -> str | None:
 
     Shows the policy, which summaries mode ran, recomputes, AG mean ± std, active tokens (mean, peak),
     full tokens, bytes of both and the memory saving (time-averaged, and at the peak), and for ZoomR the
-    saving ZoomR §3.5's formula predicts from the run's own lengths.
+    saving ZoomR §3.5's formula predicts from the run's own lengths; for ZoomR on llama.cpp, that its store
+    keeps every position.
     """
     x = kv.extra
     if "policy" not in x:
@@ -60,4 +61,7 @@ def policy_line(kv: KVStats) -> str | None:
         parts.append(f"§3.5 formula {x['saving_formula']:.2f}× (N_p {f['n_prompt']}, N_g {f['n_generated']}, "
                      f"L̄_R {f['mean_regular']:.0f}, L̄_S {f['mean_summary']:.0f}, |I_all| {f['n_voted']}, "
                      f"N_w {f['window']})")
+    if "llama_store_cells" in x:   # zoomr on llama.cpp: say where the memory went
+        parts.append(f"{x.get('restored_tokens', 0)} tok zoomed back in · llama.cpp keeps all "
+                     f"{x['llama_store_cells']} positions (store sequence): the selection saves attention, not KV memory")
     return " · ".join(parts)

@@ -16,7 +16,7 @@ from typing import Optional
 
 from zoomr.backends.models import resolve_model
 from zoomr.errors import UserError
-from zoomr.factory import check_policy
+from zoomr.factory import check_forks, check_policy
 from zoomr.kvstore.registry import BACKENDS, REFERENCE, REGISTRY, evicting, missing, rescue_base
 from zoomr.options import RunOptions, check_knobs_read
 
@@ -126,6 +126,7 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
     helper_opts = dataclasses.replace(opts, model=pick("helper"), policy=REFERENCE, knobs={})
     # a bad policy knob, a missing helper or PRM should fail now, not after a model has loaded
     for_flag("--base-policy", check_policy, base_opts)
+    for_flag("--base-policy", check_forks, base_opts)
     check_knobs_read(base_opts, "--base-policy")
     for_flag("-m", resolve_model, model)
     for_flag("--helper", resolve_model, helper_opts.model)
