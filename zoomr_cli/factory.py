@@ -130,7 +130,8 @@ def check_options(opts: RunOptions) -> None:
     check_quant_option(opts)
     check_kv_dtype_option(opts)
     check_torch_placement(opts)
-    check_policy(opts)   # the policy as the backend builds it: its own range checks, before "loading model…"
+    if opts.backend == "llamacpp":   # its policy is built with the model; torch's factory is built first already
+        check_policy(opts)   # the policy as llama.cpp builds it: its own range checks, before "loading model…"
     if opts.backend == "torch":
         import torch
 

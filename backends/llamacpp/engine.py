@@ -586,7 +586,13 @@ class LlamaCppBackend:
                        device_bytes=self.kv_cells * b, state_bytes=seq.policy.state_bytes())
         seq.forwards += 1
         text = self.tokenizer.decode(ids) if seq.policy.wants_text else ""
-        changed = seq.policy.observe(start, ids, text)
+        if seq.policy.wants_kq:   # torch scores the forward: on one thread, beside llama.cpp's
+            from .scored import one_torch_thread
+
+            with one_torch_thread():
+                changed = seq.policy.observe(start, ids, text)
+        else:
+            changed = seq.policy.observe(start, ids, text)
         if changed and seq.store_id >= 0:
             self._reselect(seq, seq.policy.selection())
         elif changed or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):

@@ -244,6 +244,19 @@ def _zoomr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     return lambda: ZoomRCells(config, n_ctx, events)
 
 
+_zoomr.forks = False   # its store holds every position: a fork would copy it (ZoomRCells.fork refuses)
+
+
+def can_fork(name: str) -> bool:
+    """Whether a llama.cpp sequence under ``--policy name`` can fork (KV-Rescue forks its base for the
+    candidates): every policy but zoomr.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    return getattr(CELL_POLICIES.get(type(PolicySpec(name).config())), "forks", True)
+
+
 # The llama.cpp implementation of each policy the registry lists for this backend, keyed by the policy's config
 # class (the registry row's ``config``): the registry names policies and says which backends run them, this
 # module only says how, so no policy name is spelled twice. tests/kv/test_registry.py checks that the two

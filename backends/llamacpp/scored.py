@@ -18,6 +18,7 @@ decisions on which they agree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -43,6 +44,21 @@ class Shapes:
 
 def _no_events(_event) -> None:
     return None
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run the block with torch on one intra-op thread. A token's scoring is small, and torch's thread pool
+    would otherwise contend for the cores with llama.cpp's own (spinning) threads: with ``-t 1`` on a 2-core
+    host, h2o decoded at a third of its one-thread speed (``benchmarks/llamacpp_speed.py`` measures it)."""
+    old = torch.get_num_threads()
+    if old != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if old != 1:
+            torch.set_num_threads(old)
 
 
 class ScoredCells:

@@ -90,7 +90,8 @@ class ZoomRCells:
         n_ctx: ``-c``: the cells the store may hold, so the longest the sequence gets (tokens).
         events: where a recompute event goes (live display), or None.
     Raises:
-        ValueError: knobs ZoomR refuses, or ``--window`` not below ``-c``.
+        ValueError: knobs ZoomR refuses (a ``--window`` given at or above ``-c`` is refused by the CLI, on both
+            backends; the default 512 with a smaller ``-c`` runs, as on torch, and evicts nothing).
 
     Attributes:
         cap: ``n_ctx``; bound: None (ZoomR's active size follows from the text, as on torch).
@@ -104,10 +105,9 @@ class ZoomRCells:
     shifts = False
     keeps_store = True          # two sequence ids: every position in the store, the selection active
     observes_chunks = False     # the whole prompt is one forward for ZoomR (its I_p)
+    forks = False               # a fork would need a copy of the store (see fork)
 
     def __init__(self, config: ZoomRConfig, n_ctx: int, events: EventBus | None = None):
-        if not 1 <= config.window < n_ctx:
-            raise ValueError(f"zoomr: --window {config.window} must be below -c {n_ctx}")
         self.policy, self.name = config.build(), "zoomr"
         self.cap, self.bound, self.events = n_ctx, None, events
         self.written: list[int] = []

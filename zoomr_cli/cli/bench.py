@@ -201,5 +201,5 @@ def _match_note(rec: dict) -> str:
 
 bench_command = model_options(exclude=("budget", "policy"), n_predict=BENCH_N_PREDICT,
                               shown={"temp": "0, greedy; 0.8 in --rescue cells"},
-                              helps={"backend": "torch only: the KV policies run on our decoder (llama.cpp's "
-                                                "speed: benchmarks/backend_speed.py)."})(rescue_options(bench))
+                              helps={"backend": "torch only: bench compares the policies on one decoder (how llama.cpp "
+                                                "runs them: docs/backends.md)."})(rescue_options(bench))

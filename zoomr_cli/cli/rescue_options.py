@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from zoomr.backends.llamacpp.policies import can_fork
 from zoomr.errors import UserError
 from zoomr.kvstore.registry import evicting
 from zoomr.rescue.plan import RescueOptions
@@ -23,7 +24,8 @@ _DECLS = {
     "rescue": (bool, _opt("--rescue", help="KV-Rescue: interleave steps of the evicted base (-m) and a "
                           "full-KV helper; each step's best candidate by --prm (default: helper log-likelihood).")),
     "base_policy": (Optional[str], _opt("--base-policy", help=f"Base KV eviction: {', '.join(evicting())} "
-                                        f"(llamacpp: {', '.join(evicting('llamacpp'))}; default rkv, streaming on "
+                                        f"(llamacpp: {', '.join(p for p in evicting('llamacpp') if can_fork(p))}; "
+                                        "default rkv, streaming on "
                                         "llamacpp). Budget: --budget.")),
     "helper": (Optional[str], _opt("--helper", help="Helper model, full KV (default: the embedded model).")),
     "prm": (Optional[str], _opt("--prm", help="Process reward model (HF dir or hub id, Qwen2.5-Math-PRM "
