@@ -558,9 +558,9 @@ class LlamaCppBackend:
 
     def _appended(self, seq: LlamaCppSequence, ids: list[int]) -> None:
         """Record tokens llama.cpp now holds, and check its cell count agrees with ours."""
-        import llama_cpp
-
         if seq.store_id >= 0:
+            import llama_cpp
+
             # into the store after the forward: a batch row tagged with both ids would attend both ids' cells
             llama_cpp.llama_memory_seq_cp(self._mem, seq.seq_id, seq.store_id, seq.n_written, seq.n_written + len(ids))
         seq.tokens.extend(ids)

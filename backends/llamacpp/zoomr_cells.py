@@ -105,7 +105,6 @@ class ZoomRCells:
     shifts = False
     keeps_store = True          # two sequence ids: every position in the store, the selection active
     observes_chunks = False     # the whole prompt is one forward for ZoomR (its I_p)
-    forks = False               # a fork would need a copy of the store (see fork)
 
     def __init__(self, config: ZoomRConfig, n_ctx: int, events: EventBus | None = None):
         self.policy, self.name = config.build(), "zoomr"
