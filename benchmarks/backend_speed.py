@@ -97,9 +97,12 @@ class LlamaCppRow:
     def __init__(self, path, n_ctx: int, threads: int):
         import llama_cpp
 
+        from zoomr.backends.llamacpp.runtime import llama_defaults
+
         self.llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
+        with llama_defaults(path):  # llama.cpp's AMX layouts fault on some virtual machines: probed, as zoomr loads
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads,
+                                       n_threads_batch=threads, verbose=False)
         self.llm.eval([1] * 16)
         for _ in range(4):
             self.llm.eval([1])

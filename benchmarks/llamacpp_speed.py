@@ -77,13 +77,15 @@ def throughput(src, a) -> list[dict]:
 
     from zoomr.backends.llamacpp.engine import LlamaCppBackend
     from zoomr.backends.llamacpp.policies import STREAMING_BUFFER
+    from zoomr.backends.llamacpp.runtime import llama_defaults
 
     evict = LlamaCppBackend(src, n_ctx=a.budget + STREAMING_BUFFER, threads=a.threads, policy="streaming",
                             budget=a.budget, max_sequences=1)
     ids = chat_prompt(evict.tokenizer)
     full = LlamaCppBackend(src, n_ctx=len(ids) + a.n + 8, threads=a.threads, max_sequences=1)
-    llm = llama_cpp.Llama(model_path=str(src.path), n_ctx=len(ids) + a.n + 8, n_threads=a.threads,
-                          n_threads_batch=a.threads, verbose=False)
+    with llama_defaults(src.path):  # the same llama.cpp buffer types as LlamaCppBackend's (AMX probed)
+        llm = llama_cpp.Llama(model_path=str(src.path), n_ctx=len(ids) + a.n + 8, n_threads=a.threads,
+                              n_threads_batch=a.threads, verbose=False)
     # the score-ranked policies and zoomr read queries and keys through cb_eval: their rows show what that costs
     # (zoomr sized by its window and segments, not a budget; its store and active sequences take two ids)
     knobs = {p: ({"window": a.zoomr_window} if p == "zoomr" else {"budget": a.budget}) for p in a.scored}

@@ -43,6 +43,7 @@ from zoomr.backends.tokenizer import LlamaCppTokenizer
 from zoomr.kvstore.events import EventBus
 from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
+from .amx_probe import known_verdict
 from .batch import Batch
 from .policies import STREAMING_BUFFER, make_policy
 from .runtime import GGML_TYPE_F16, decode_error, gpu_offload_supported, load_model, model_info, new_context
@@ -280,8 +281,10 @@ class LlamaCppBackend:
         cache = (f"KV cache {self.kv_cells} cells (tokens), every position kept in a store sequence: the selection "
                  "saves attention, not KV memory" if self.keeps_store
                  else cache_words(self.kv_cells, self.max_sequences, self.unified))
+        # a user comparing speeds should know llama.cpp runs without its AMX/repacked layouts here
+        layouts = " · llama.cpp's AMX layouts off (they fault on this machine)" if known_verdict() is False else ""
         return (f"{self.source.name} · llamacpp · {device} · {self.threads} threads · KV f16 · {self.info.n_layer} "
-                f"layers · KV policy {policy} · {cache}")
+                f"layers · KV policy {policy} · {cache}{layouts}")
 
     def set_abort(self, should_abort: Callable[[], bool] | None) -> None:
         """Install a check llama.cpp calls during ``llama_decode``; True aborts it (BackendError).

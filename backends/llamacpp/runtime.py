@@ -7,6 +7,7 @@ Everything here is per process or per model file; contexts, batches and sequence
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,42 @@ def model_info(model) -> ModelInfo:
     )
 
 
+def model_params(path: Path):
+    """llama.cpp's default ``llama_model_params`` for ``path``, with its extra CPU buffer types (AMX, repacked
+    layouts) turned off where :func:`zoomr.backends.llamacpp.amx_probe.extra_bufts_ok` finds they fault here."""
+    import llama_cpp
+
+    from .amx_probe import extra_bufts_ok
+
+    params = llama_cpp.llama_model_default_params()
+    if hasattr(params, "use_extra_bufts") and not extra_bufts_ok(path):
+        params.use_extra_bufts = False
+    return params
+
+
+@contextlib.contextmanager
+def llama_defaults(path: Path):
+    """Within the block, llama-cpp-python's ``Llama(model_path=path)`` loads with :func:`model_params` (it reads
+    ``llama_model_default_params`` when it loads and takes no option for the extra buffer types), so the
+    benchmarks' and parity checks' reference llama.cpp runs where a plain ``Llama`` would fault."""
+    import llama_cpp.llama_cpp as bindings
+
+    params = model_params(path)
+    original = bindings.llama_model_default_params
+
+    def defaults():
+        fresh = original()
+        if hasattr(fresh, "use_extra_bufts"):
+            fresh.use_extra_bufts = params.use_extra_bufts
+        return fresh
+
+    bindings.llama_model_default_params = defaults
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = original
+
+
 def load_model(path: Path, n_gpu_layers: int = -1):
     """Load a GGUF file with ``llama_model_load_from_file``; returns the ``llama_model*``.
 
@@ -113,7 +150,7 @@ def load_model(path: Path, n_gpu_layers: int = -1):
 
     check_gguf(path)
     init_llama()
-    params = llama_cpp.llama_model_default_params()
+    params = model_params(path)
     params.n_gpu_layers = n_gpu_layers
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
     if not model:

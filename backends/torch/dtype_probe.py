@@ -11,42 +11,21 @@ cached per machine in ``$ZOOMR_CACHE`` (default ``$XDG_CACHE_HOME/zoomr``, else 
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from zoomr.backends.machine_cache import cpu_name, lookup, store
 
 CANDIDATES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # 48 MiB of bf16 dense weights (or a quarter of that in int4 codes, ×4 matrices): past a 32 MiB L3
 _ROWS, _COLS, _DENSE_MATS, _INT4_MATS = 2048, 2048, 6, 24
 
 
-def cache_dir() -> Path:
-    """Where zoomr keeps per-machine measurements."""
-    if os.environ.get("ZOOMR_CACHE"):
-        return Path(os.environ["ZOOMR_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "zoomr"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
 def _key(kernel: str) -> str:
     cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "?"
-    return f"{_cpu_name()}|torch {torch.__version__}|{cap}|threads {torch.get_num_threads()}|{kernel}"
+    return f"{cpu_name()}|torch {torch.__version__}|{cap}|threads {torch.get_num_threads()}|{kernel}"
 
 
 def _time_ms(fn, reps: int = 3) -> float:
@@ -104,25 +83,12 @@ def measure(kernel: str) -> dict[str, float]:
 def cpu_half_dtype(kernel: str) -> torch.dtype:
     """The faster of bf16 and fp16 for ``kernel`` (``dense``, ``int4``, ``int8``) on this CPU: cached, else measured
     (about a second) and cached. An unwritable cache only means measuring again next time."""
-    path = cache_dir() / "dtype_probe.json"
     key = _key(kernel)
-    try:
-        known = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    hit = known.get(key)
-    if isinstance(hit, dict) and hit.get("dtype") in CANDIDATES:
+    hit = lookup("dtype_probe.json", key)
+    if hit is not None and hit.get("dtype") in CANDIDATES:
         return CANDIDATES[hit["dtype"]]
     ms = measure(kernel)
     best = min(ms, key=ms.get)
-    known[key] = {"dtype": best, "ms": {k: (round(v, 3) if v != float("inf") else None) for k, v in ms.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    store("dtype_probe.json", key,
+          {"dtype": best, "ms": {k: (round(v, 3) if v != float("inf") else None) for k, v in ms.items()}})
     return CANDIDATES[best]

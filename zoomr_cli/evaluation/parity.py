@@ -34,8 +34,11 @@ def llamacpp_logits(path, ids: list[int]) -> np.ndarray:
     its logits move slightly with how a prompt is split into batches, so every caller splits alike)."""
     import llama_cpp
 
+    from zoomr.backends.llamacpp.runtime import llama_defaults
+
     n = max(1024, len(ids))
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n, n_batch=n, logits_all=True, verbose=False, seed=0)
+    with llama_defaults(path):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n, n_batch=n, logits_all=True, verbose=False, seed=0)
     try:
         llm.eval(ids)
         return np.array(llm.scores[: len(ids)], dtype=np.float32)
