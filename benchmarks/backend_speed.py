@@ -97,6 +97,7 @@ class LlamaCppRow:
     def __init__(self, path, n_ctx: int, threads: int):
         import llama_cpp
 
+        from zoomr.backends.llamacpp.amx_probe import known_verdict
         from zoomr.backends.llamacpp.runtime import llama_defaults
 
         self.llama_cpp = llama_cpp
@@ -107,6 +108,8 @@ class LlamaCppRow:
         for _ in range(4):
             self.llm.eval([1])
         self.info = {"engine": "llama.cpp", "weight_MiB": os.path.getsize(path) / 2**20}
+        if known_verdict() is False:   # the ratios are then against llama.cpp without its AMX kernels: say so
+            self.info["weights"] = "AMX layouts off (they fault on this machine)"
 
     def _last_logits(self) -> np.ndarray:
         return np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),))

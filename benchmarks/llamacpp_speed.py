@@ -72,6 +72,13 @@ def llama_generate_s(llm, ids: list[int], n: int) -> tuple[float, float]:
     raise RuntimeError("generator ended early")
 
 
+def amx_note() -> str:
+    """Where llama.cpp's AMX layouts fault here, both llama.cpp rows run without them: the header says so."""
+    from zoomr.backends.llamacpp.amx_probe import known_verdict
+
+    return ", llama.cpp without its AMX layouts (they fault on this machine)" if known_verdict() is False else ""
+
+
 def throughput(src, a) -> list[dict]:
     import llama_cpp
 
@@ -182,7 +189,8 @@ def main() -> None:
     if a.skip != "throughput":
         out["throughput"] = throughput(src, a)
         print(f"decode throughput, {a.n} greedy tokens, {a.threads} threads, median of {a.repeats} "
-              "(wall clock; per CPU second of this process, which a busy machine disturbs less):")
+              "(wall clock; per CPU second of this process, which a busy machine disturbs less)"
+              f"{amx_note()}:")
         for r in out["throughput"]:
             print(f"  {r['engine']:<36} {r['decode_tok_s']:7.2f} tok/s {r['vs_llama_generate']:.3f}×  |  "
                   f"{r['cpu_tok_s']:7.2f} tok/CPU-s {r['vs_llama_generate_cpu']:.3f}×  runs {r['runs_tok_s']}")
