@@ -5,9 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ENV, ROOT
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--shape",

@@ -63,6 +63,7 @@ def single_runs(be, prompts):
 
 
 @pytest.mark.parametrize("policy", list(SMALL))
+@pytest.mark.slow
 def test_batch_equals_single(torch_backend, policy):
     """Ragged prompts, different selections, one sequence finishing mid-batch: token-identical, logits 1e-4."""
     be = backend_for(torch_backend, policy)
@@ -96,6 +97,7 @@ def test_batch_equals_single(torch_backend, policy):
         assert not all(torch.equal(sel[0], x) for x in sel[1:])              # ... and each its own way
 
 
+@pytest.mark.slow
 def test_padded_attention_equals_per_sequence(torch_backend):
     be = backend_for(torch_backend, "rkv")
     prompts = [be.tokenizer.encode(t) for t in TEXTS]

@@ -82,6 +82,7 @@ def _cascade_step(be, seqs, tokens):
 
 
 @pytest.mark.parametrize("policy", ["full", "zoomr", "rkv"])
+@pytest.mark.slow
 def test_forks_decoded_as_a_batch_attend_their_prefix_as_a_group(torch_backend, monkeypatch, policy):
     """``attention="cascade"``: forks of one prompt at different own lengths, beside an unforked sequence,
     decoded together: the same greedy tokens and logits (2.5e-4) as the same family decoded one sequence at a
@@ -120,6 +121,7 @@ def default_cpu_backend(embedded_path):
 
 
 @pytest.mark.parametrize("policy", ["full", "rkv"])
+@pytest.mark.slow
 def test_forks_in_a_default_batch_decode_bitwise_as_alone_with_bf16_linears(default_cpu_backend, monkeypatch,
                                                                            policy):
     """The default attention mode never groups, so a batch changes nothing a sequence generates: with bf16

@@ -83,12 +83,14 @@ def test_failed_compile_falls_back_to_eager(capsys):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compile_refused_on_llamacpp():
     r = zoomr("solve", "--compile", "--backend", "llamacpp", "examples/problem.txt")
     assert_one_line_error(r)
     assert "--compile applies to the torch backend" in r.stderr
 
 
+@pytest.mark.slow
 def test_compile_without_a_cxx_compiler_is_one_line(tmp_path):
     import subprocess
 
@@ -103,6 +105,7 @@ def test_compile_without_a_cxx_compiler_is_one_line(tmp_path):
     assert "needs a C++ compiler" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_model_whose_compile_fails_decodes_eagerly_and_says_so(capsys):
     import zoomr as api
 

@@ -124,6 +124,7 @@ nasty = st.lists(st.one_of(st.sampled_from(CONTROL_TEXTS + FRAGMENTS), st.text(m
 
 @settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(system=nasty, user=nasty, answer=nasty)
+@pytest.mark.slow
 def test_only_the_template_markup_yields_control_tokens(tokenizers, system, user, answer):
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": user},
             {"role": "assistant", "content": answer}, {"role": "user", "content": user}]
@@ -153,6 +154,7 @@ def write_vocab_gguf(src: Path, out: Path, add_bos: bool) -> None:
     w.close()
 
 
+@pytest.mark.slow
 def test_bos_follows_the_configuration_on_both_kinds(tmp_path, embedded_path):
     write_vocab_gguf(embedded_path, tmp_path / "bos.gguf", add_bos=True)
     gguf_bos = LlamaCppTokenizer(tmp_path / "bos.gguf")

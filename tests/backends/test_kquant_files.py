@@ -33,6 +33,7 @@ def kquant_files(tmp_path_factory, embedded_path) -> dict:
 
 
 @pytest.mark.parametrize("ftype", list(FILE_TYPES))
+@pytest.mark.slow
 def test_kept_blocks_are_the_files_values(kquant_files, ftype):
     """Every tensor of a kept type comes back as codes and scales whose values are gguf's dequantization of the
     file (Q/K rows unpermuted alike): nothing but the F32 norms is read as floats."""
@@ -56,6 +57,7 @@ def test_kept_blocks_are_the_files_values(kquant_files, ftype):
 
 
 @pytest.mark.parametrize("ftype", list(FILE_TYPES))
+@pytest.mark.slow
 def test_kquant_linears_stay_quantized_within_their_bytes(kquant_files, ftype):
     """--quant auto in bf16: the model line names each type's form; a K-quant ffn_down holds at most the
     documented multiple of its bytes in the file (Q4_K: 4-bit codes + a bf16 scale and zero per 32, 5 / 4.5)."""

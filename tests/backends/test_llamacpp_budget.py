@@ -37,6 +37,7 @@ def test_cli_solve_streaming_budget_completes(tmp_path):
     assert kv["active_tokens"] == kv["llama_cells"] <= CAP
 
 
+@pytest.mark.slow
 def test_generation_runs_far_past_the_context_inside_the_budget():
     """200 decode steps with -c 96: after every step llama.cpp holds < B + buffer cells at positions 0 … n-1
     (B + buffer at the peak), and exactly the sinks and the most recent tokens."""

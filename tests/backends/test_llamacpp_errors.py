@@ -81,6 +81,7 @@ def test_hf_directory_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["solve", "chat"])
+@pytest.mark.slow
 def test_cli_unsupported_policy_is_one_line_exit_2(command):
     """Refused with the flags, before any model loads: the error is the only line on stderr (it once came
     after "loading model…")."""

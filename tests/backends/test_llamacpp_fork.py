@@ -29,6 +29,7 @@ def branch_ids(be) -> tuple[list[int], list[int]]:
     return prefix, firsts
 
 
+@pytest.mark.slow
 def test_four_candidates_decode_the_prefix_once(be):
     prefix, firsts = branch_ids(be)
     parent = be.new_sequence()
@@ -55,6 +56,7 @@ def test_four_candidates_decode_the_prefix_once(be):
     be.free(parent)
 
 
+@pytest.mark.slow
 def test_candidates_evicting_do_not_move_the_parent(be):
     """Forks generate past the budget (evicting and shifting their positions); the parent is untouched."""
     prefix, firsts = branch_ids(be)

@@ -25,6 +25,7 @@ def _greedy(be, seq, ids, n):
 
 
 @pytest.mark.parametrize("policy", ["h2o", "rkv", "snapkv", "keydiff"])
+@pytest.mark.slow
 def test_cells_stay_within_the_bound_and_keep_their_positions(policy):
     be = LlamaCppBackend(resolve_model(None), n_ctx=512, threads=1, policy=policy, budget=32)
     seq = be.new_sequence()
@@ -59,6 +60,7 @@ def test_a_fork_scores_on_its_own():
 
 
 @pytest.mark.parametrize("policy", ["h2o", "keydiff"])
+@pytest.mark.slow
 def test_decisions_match_the_torch_backend_on_the_same_tokens(policy, embedded_path):
     """Same tokens, shared selection on both backends: the evictions agree except where the logits differ."""
     src = resolve_model(None)
@@ -90,6 +92,7 @@ def _evictions_step_by_step(be, seqs, tokens, batched):
     return kept
 
 
+@pytest.mark.slow
 def test_a_batch_step_scores_each_sequence_by_its_own_rows():
     """decode_batch hands each sequence its own rows of the captured queries and keys: two prompts of different
     lengths evict in a batch as each does alone (rows given to the wrong sequence would rank the other's

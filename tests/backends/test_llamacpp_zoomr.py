@@ -30,6 +30,7 @@ def _run(be, seq, ids, n):
     return out
 
 
+@pytest.mark.slow
 def test_the_store_keeps_every_position_and_the_selection_moves(zoomr_llama):
     be = zoomr_llama
     assert "saves attention, not KV memory" in be.describe() and "store keeps all" in be.describe()
@@ -48,6 +49,7 @@ def test_the_store_keeps_every_position_and_the_selection_moves(zoomr_llama):
     be.free(seq)
 
 
+@pytest.mark.slow
 def test_the_active_sequence_attends_exactly_the_selection():
     """The engine's bookkeeping is llama.cpp's membership: the next token's logits on the active sequence equal
     those of a spare sequence id given the selected store cells (and differ from the store's, which attends
@@ -74,6 +76,7 @@ def test_the_active_sequence_attends_exactly_the_selection():
     be.close()
 
 
+@pytest.mark.slow
 def test_selections_match_the_torch_backend_on_the_same_tokens(zoomr_llama):
     """Same tokens, both backends: the attended set is the same after nearly every step (a vote that differs
     where the arithmetic does can change a zoomed-in segment)."""

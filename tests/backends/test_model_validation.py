@@ -424,6 +424,7 @@ def test_template_errors_are_one_line(template, pattern):
 
 # --- through the CLI -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_refuses_bad_gguf_with_one_line(embedded_path, tmp_path):
     """A copy of the embedded model whose RMS epsilon key is renamed (so absent): one line, exit 2, on the
     default (torch) backend; an unknown RoPE scaling name (which aborts llama.cpp) on the llama.cpp one."""

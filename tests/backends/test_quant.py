@@ -196,6 +196,7 @@ def test_fp16_kernel_equals_fp32_math_on_fp16_rounded_weights():
 
 
 @needs_fbgemm
+@pytest.mark.slow
 def test_fp16_weights_run_in_fp32_and_refuse_half_dtypes(embedded_path):
     from zoomr.backends.models import resolve_model
     from zoomr.backends.torch.engine import TorchBackend, pick_dtype
@@ -266,6 +267,7 @@ def test_dtype_probe_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert dtype_probe.cpu_half_dtype("dense") == dtype_probe.CANDIDATES[flipped]
 
 
+@pytest.mark.slow
 def test_quantized_decoder_close_to_dense(embedded_path):
     """The whole model, int4 from the file's blocks with fp32 activations (exact scales), against the dense fp32
     decoder on the same dequantized weights: the same function up to fp32 summation order."""
@@ -315,6 +317,7 @@ def test_half_precision_head_gives_exact_top_logits(embedded_path):
     assert not isinstance(Decoder(cfg, kept, CPU, torch.float32, quant="auto").lm_head, ExactTopHead)
 
 
+@pytest.mark.slow
 def test_bad_quant_is_one_line_exit_2():
     assert_one_line_error(zoomr("solve", "-p", "hi", "-n", "2", "--quant", "int3"))
     for flag, value in (("--quant", "int4"), ("--kv-dtype", "bf16")):

@@ -202,6 +202,7 @@ def test_qwen3_hf_dir_the_decoder_cannot_run_is_refused(qwen3_hf, tmp_path, edit
 
 # --- through the CLI: one line, exit 2 -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_refuses_other_architectures_naming_the_supported_ones(tmp_path, embedded_path, qwen3_hf,
                                                                    hf_tokenizer_dir):
     phi3 = write_tiny_gguf(tmp_path / "phi3.gguf", embedded_path, arch="phi3")

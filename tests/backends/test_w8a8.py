@@ -57,6 +57,7 @@ def test_a_row_gets_the_same_result_alone_and_in_any_batch():
     assert (joint.double() - exact[0] + lin.b.double()[None]).abs().max() > 10 * (together[0].double() - exact[0]).abs().max()
 
 
+@pytest.mark.slow
 def test_w8a8_mode_builds_and_computes_in_fp32_only(embedded_path):
     from zoomr.backends.models import resolve_model
     from zoomr.backends.torch.engine import TorchBackend, pick_dtype

@@ -265,6 +265,7 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
     ("binary_record", ["--out", "{o}", "--resume"], "not a bench record"),
     ("bad_config", ["--out", "{o}", "--resume"], "not a bench config"),
 ])
+@pytest.mark.slow
 def test_bench_bad_input_is_one_line_exit_2(tmp_path, case, args, needle):
     d, o = tmp_path / "data.jsonl", tmp_path / "out"
     o.mkdir()

@@ -96,6 +96,7 @@ def test_resume_after_parallel_run_in_any_order(runs, tmp_path):
 
 @pytest.mark.parametrize("value,flags", [("0", ["-np", "0"]), ("-1", ["-np", "-1"]), ("-7", ["-np", "-7"]),
                                          ("0", ["-np0"])])   # glued, as -np0: still -np's own check, not -n's
+@pytest.mark.slow
 def test_parallel_below_one_refused(tmp_path, value, flags):
     r = subprocess.run(zoomr_cmd() + ["bench", "--limit", "1", *flags, "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
@@ -103,6 +104,7 @@ def test_parallel_below_one_refused(tmp_path, value, flags):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_parallel_beyond_memory_refused_before_any_cell(tmp_path):
     # each sequence may hold -c positions of its own K/V and full KV's reference logits: 10^5 of them at
     # -c 8192 need ~80 TiB, more than any machine has free

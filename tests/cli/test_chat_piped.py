@@ -34,6 +34,7 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on():
     assert "conversation: turns 1" in err
 
 
+@pytest.mark.slow
 def test_chat_asks_for_summaries_under_summaries_prompted_as_solve_does():
     import re
 

@@ -63,6 +63,7 @@ def test_solve_from_stdin_prompt_too_long_for_ctx():
     (None, ["examples/problem.txt", "--no-detector"], "--no-detector needs --rescue"),
     (None, ["examples/problem.txt", "-np", "2"], "-np/--parallel: zoomr solve decodes one sequence"),  # not "-n p"
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, needle):
     p = tmp_path / "input"
     if setup == "empty":
@@ -86,6 +87,7 @@ def test_unknown_option_is_usage_error():
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_help_lists_commands_and_llamacpp_flags():
     r = zoomr("--help")
     assert r.returncode == 0 and "solve" in r.stdout and "chat" in r.stdout
@@ -95,6 +97,7 @@ def test_help_lists_commands_and_llamacpp_flags():
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
+@pytest.mark.slow
 def test_version(flag):
     r = zoomr(flag)
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -113,6 +116,7 @@ def _default(text: str, flag: str) -> str:
     return re.search(rf"{flag}\s.*?\[default: (.*?)\]\s*│", text).group(1)
 
 
+@pytest.mark.slow
 def test_help_has_no_type_tags_and_shows_defaults():
     helps = {cmd: _help(cmd) for cmd in ("solve", "chat", "bench")}
     for text in [_help(), *helps.values()]:
@@ -253,6 +257,7 @@ def test_a_record_that_cannot_be_written_at_the_end_goes_to_the_temp_dir(unwrita
     # the rescue loop ends at a committed end-of-sequence: --ignore-eos was accepted and did nothing
     (["--rescue", "--ignore-eos"], "--ignore-eos does not apply to --rescue"),
 ])
+@pytest.mark.slow
 def test_bad_model_flags_are_refused_before_the_model_loads(flags, needle):
     r = zoomr("solve", "-p", "2+2?", "-n", "2", "--no-live", *flags)
     assert_one_line_error(r)
@@ -282,6 +287,7 @@ def test_a_llamacpp_context_larger_than_memory_is_refused_before_allocating():
     assert "-c 1000000000: llama.cpp's KV cache" in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_help_offers_only_the_backend_it_runs():
     # bench refuses --backend llamacpp, so its help must not offer it; solve's still does
     bench_row = re.search(r"--backend\s.*", _help("bench")).group(0)
@@ -289,6 +295,7 @@ def test_bench_help_offers_only_the_backend_it_runs():
     assert "llamacpp" in re.search(r"--backend\s.*", _help("solve")).group(0)
 
 
+@pytest.mark.slow
 def test_a_context_past_the_trained_one_is_named_on_the_model_line():
     r = zoomr("solve", "-p", "What is 2+2?", "-n", "1", "-c", "20000", "--no-live")
     assert r.returncode == 0, r.stderr

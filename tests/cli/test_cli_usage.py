@@ -56,6 +56,7 @@ def test_help_and_version_are_not_errors(capsys):
     assert capsys.readouterr().out.startswith("zoomr ")
 
 
+@pytest.mark.slow
 def test_console_script_parse_error_and_debug_usage():
     r = zoomr("solve", "--nope", "x.txt")
     assert r.returncode == 2 and r.stdout == ""
@@ -83,6 +84,7 @@ def test_bare_zoomr_still_shows_help():
     ("--device", "meta", "(choose from auto, cpu, cuda, cuda:N)"),
     ("--kv-dtype", "int8", "(choose from auto, fp32, float32, bf16, bfloat16, fp16, float16)"),
 ])
+@pytest.mark.slow
 def test_bad_dtype_or_device_names_the_flag_and_every_choice(flag, value, choices):
     r = zoomr("solve", "examples/problem.txt", flag, value, "--no-live")
     assert r.returncode == 2

@@ -276,6 +276,7 @@ def test_cli_1mb_line_is_one_line_too_long_for_c(tmp_path):
                         r.stderr.strip().splitlines()[-1]), r.stderr
 
 
+@pytest.mark.slow
 def test_a_prompt_over_c_is_refused_before_the_model_line():
     """Known only once the tokenizer is loaded, so after "loading model…", but before anything else is said."""
     r = zoomr("solve", "-p", "Janet has sixteen eggs and eats three of them.", "-n", "4", "-c", "20", "--no-live")

@@ -181,6 +181,7 @@ def test_plan_defaults_and_backend_choice():
     assert llama.base_opts.policy == "streaming" and llama.config.nh == 0 and llama.notes
 
 
+@pytest.mark.slow
 def test_no_detector_is_the_papers_eviction_only_best_of_n(tmp_path):
     """--nh 0 --no-detector: a detector that would abort every base candidate at its first token aborts none."""
     out = tmp_path / "bon.json"

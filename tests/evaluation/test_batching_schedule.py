@@ -2,6 +2,8 @@
 whose logits the fidelity passes wait on) go first while fewer than N are alive, so the passes are ready a
 round earlier and the batch stays full; the references alive never exceed N."""
 
+import pytest
+
 from zoomr.backends.sampling import SamplingParams
 from zoomr.evaluation.batching import FidelityJob, GenerationJob, run_batched
 from zoomr.evaluation.cells import problem_prompt
@@ -45,6 +47,7 @@ def _run(base, problems, n_parallel):
     return forwards, alive_max, outcome
 
 
+@pytest.mark.slow
 def test_reference_runs_first_keep_the_batch_full(torch_backend):
     _, problems = load_problems("gsm8k", 4)
     forwards, alive_max, outcome = _run(torch_backend, problems, 4)

@@ -147,6 +147,7 @@ def test_write_plots_three_pngs_with_bars_and_palette(tmp_path):
         assert _pixels_near(p, policy_colour("zoomr")) > 20 and _pixels_near(p, policy_colour("rkv")) > 20
 
 
+@pytest.mark.slow
 def test_palette_colour_follows_the_policy_not_the_run(tmp_path):
     recs = [r for r in _records() if r["policy"] in ("full", "rkv")]
     (tmp_path / "a").mkdir()

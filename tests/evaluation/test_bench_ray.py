@@ -126,6 +126,7 @@ def test_resume_after_the_driver_is_killed_redoes_nothing(tmp_path, local, how):
     assert record_differences(local, got) == []
 
 
+@pytest.mark.slow
 def test_ray_without_the_extra_is_one_line_naming_it(tmp_path):
     # the interpreter as it is without Ray installed: importing it fails
     code = "import sys; sys.modules['ray'] = None; sys.argv[0] = 'zoomr'; from zoomr.cli.app import run; run()"
@@ -141,6 +142,7 @@ def test_ray_without_the_extra_is_one_line_naming_it(tmp_path):
 # case gets 45 s (the process start included) where CI's load may slow it
 @pytest.mark.parametrize("address, seconds", [("127.0.0.1:1", 30), ("no-such-host.invalid:6379", 30),
                                               pytest.param("10.255.255.1:6379", 45, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_a_bad_address_is_one_line_within_30_seconds(tmp_path, address, seconds):
     out = tmp_path / "b"
     start = time.monotonic()
@@ -173,6 +175,7 @@ def test_an_address_without_a_port_is_refused(address):
         check_address(address)
 
 
+@pytest.mark.slow
 def test_ray_workers_without_ray_or_below_one_are_refused():
     r = cli(*CLI, "--limit", "1", "--ray-workers", "2")
     assert_one_line_error(r)
@@ -182,6 +185,7 @@ def test_ray_workers_without_ray_or_below_one_are_refused():
     assert "--ray-workers must be >= 1" in r.stderr
 
 
+@pytest.mark.slow
 def test_more_workers_than_the_cluster_fits_are_refused_before_any_loads(tmp_path):
     out = tmp_path / "b"
     r = cli(*CLI, "--limit", "1", "--out", str(out), "--ray", "auto", "--ray-workers", str(os.cpu_count() + 1))
@@ -215,6 +219,7 @@ def test_units_fill_a_batch_twice_but_leave_every_worker_one_and_keep_matched_pr
     assert [len(u) for u in units(matched, matched.problems, cost, workers=1)] == [1] * 8
 
 
+@pytest.mark.slow
 def test_bench_help_names_ray_and_its_extra():
     r = cli("bench", "--help")
     assert r.returncode == 0

@@ -87,6 +87,7 @@ def test_unknown_names_are_refused(spec, needle):
         load_problems(spec)
 
 
+@pytest.mark.slow
 def test_list_datasets_cli_prints_every_set_and_exits_before_anything_else(tmp_path):
     # -n 0 would be refused by a run: the listing comes first and loads no model
     r = subprocess.run(zoomr_cmd() + ["bench", "--list-datasets", "--no-live", "-n", "0"], capture_output=True,

@@ -14,6 +14,7 @@ def run(tmp_path, *args):
 
 @pytest.mark.parametrize("content, msg", [(None, "no such file"), (b"", "no rows"), (b"hello\n", "not JSON"),
                                           (b'{"text": "x"}\n', "question\\+answer or problem\\+solution")])
+@pytest.mark.slow
 def test_bad_data(tmp_path, content, msg):
     data = tmp_path / "data.jsonl"
     if content is not None:
@@ -23,6 +24,7 @@ def test_bad_data(tmp_path, content, msg):
     assert msg.replace("\\", "") in r.stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_summarizer_that_cannot_load(tmp_path):
     data = write_traces(tmp_path / "data.jsonl", 2)
     r = run(tmp_path, str(data), "--out", str(tmp_path / "out"), "--summarizer", str(tmp_path / "none.gguf"))
@@ -31,6 +33,7 @@ def test_summarizer_that_cannot_load(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["-m", "--summarizer"])
+@pytest.mark.slow
 def test_a_model_file_that_cannot_load_is_refused_before_out_is_written(tmp_path, flag):
     data = write_traces(tmp_path / "data.jsonl", 2)
     fake = tmp_path / "fake.gguf"
@@ -43,6 +46,7 @@ def test_a_model_file_that_cannot_load_is_refused_before_out_is_written(tmp_path
 
 @pytest.mark.parametrize("device, msg", [("tpu", "--device 'tpu' unknown"),
                                          ("cuda", "--device cuda requested but torch sees no CUDA device")])
+@pytest.mark.slow
 def test_a_device_that_cannot_train_is_refused_before_anything_runs(tmp_path, device, msg):
     import torch
 
@@ -66,6 +70,7 @@ def test_architecture_zoomr_cannot_train(tmp_path):
     assert "unsupported model_type 'gpt2'" in r.stderr
 
 
+@pytest.mark.slow
 def test_existing_out_needs_resume_or_force(tmp_path):
     data = write_traces(tmp_path / "data.jsonl", 2)
     out = tmp_path / "out"
@@ -126,6 +131,7 @@ def test_delimiters_at_other_ids_are_refused_before_out_is_written(tmp_path, hf_
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_delimiters_at_zoomrs_ids_are_reused(tmp_path, hf_tokenizer_dir):
     """A model fine-tuned before: same ids in the exported tokenizer, and its delimiter rows are trained on,
     not started over from related text (one step at --token-lr 1e-2 moves an element by about 0.01)."""

@@ -60,6 +60,7 @@ def decoded(be, prompt: list[int], before: list[int], after: list[int]) -> list[
 
 
 @pytest.mark.parametrize("name", list(SMALL))
+@pytest.mark.slow
 def test_both_sides_of_a_fork_decode_like_unforked_caches(torch_backend, name):
     be = backend_for(torch_backend, SMALL[name])
     enc = be.tokenizer.encode

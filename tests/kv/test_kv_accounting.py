@@ -108,6 +108,7 @@ def test_unreachable_target_is_reported_not_hidden():
     assert budget == 9 and simulated > 20 * (1 + TOLERANCE)
 
 
+@pytest.mark.slow
 def test_measured_mean_on_the_model_equals_the_simulation(torch_backend):
     """How many positions a budgeted policy attends does not depend on the keys: the embedded model's run and
     the tiny random-tensor simulation agree exactly, which is what makes the matched budget predictable."""

@@ -2,7 +2,6 @@
 reported as ``policy_state_bytes`` and added to ``device_kv_bytes`` and the saving's denominator."""
 
 import pytest
-import torch
 
 from policy_drive import D, H, L, drive
 from zoomr.backends.base import KVMeter

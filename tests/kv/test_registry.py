@@ -23,7 +23,7 @@ from zoomr.errors import UserError
 from zoomr.evaluation.bench_plan import plan_cells, validate_cells
 from zoomr.factory import check_policy, policy_spec, torch_cache_factory
 from zoomr.kvstore.cache import PolicyKVCache
-from zoomr.kvstore.knobs import PolicyConfig, budget_knob, knob, window_knob
+from zoomr.kvstore.knobs import PolicyConfig, budget_knob, knob
 from zoomr.kvstore.policy import ForwardInfo, KVPolicy
 from zoomr.evaluation.plots import FALLBACK_COLOURS, policy_colour
 from zoomr.kvstore.registry import (REFERENCE, REGISTRY, PolicyInfo, PolicySpec, budgeted, check_backend, evicting,

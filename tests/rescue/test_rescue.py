@@ -137,6 +137,7 @@ def test_base_wins_nothing_of_the_history_is_prefilled_again(torch_backend):
     assert "committed" in text and "helper mean log-likelihood" in text
 
 
+@pytest.mark.slow
 def test_helper_wins_base_prefills_exactly_the_step_and_evicts_back(torch_backend):
     """--nb 0: every step comes from the helper; the evicted base only ever prefills committed steps."""
     base, helper = CountingTorch(torch_backend, rkv_cache), CountingTorch(torch_backend)
@@ -164,6 +165,7 @@ def llama_base():
     b.close()
 
 
+@pytest.mark.slow
 def test_llamacpp_base_counts_every_submitted_token(llama_base, torch_backend):
     """Both sources win: llama.cpp's own counter equals prompt + base samples + helper-won steps."""
     before = llama_base.tokens_submitted
@@ -182,6 +184,7 @@ def test_llamacpp_base_counts_every_submitted_token(llama_base, torch_backend):
     assert seen[-1]["full_tokens"] == len(ids) + sum(st["tokens"] for st in s["steps"])
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_candidate_keeps_the_commits_and_frees_every_fork(llama_base):
     """A KeyboardInterrupt while step 2 samples: the loop ends 'interrupted', step 1 stays, no fork leaks."""
     from zoomr.backends.llamacpp.engine import LlamaCppBackend
@@ -227,6 +230,7 @@ def test_live_view_shows_an_abort_with_its_reason_and_values():
     assert "cycle: 260 characters repeat every 470" in text and "cycle: 64 copies of one unit" in text
 
 
+@pytest.mark.slow
 def test_trajectory_kv_is_a_per_token_time_average(torch_backend):
     """Each committed token is one sample, at the forward that wrote its KV: a model's own token at its decode
     step, the other model's step at the prefill that took it in (full KV makes both exact to predict)."""
@@ -265,6 +269,7 @@ def bench_cells(base, **flags) -> tuple[RescueCells, Problem, list[int]]:
     return RescueCells(base, opts, rplan), problem, solve_prompt(base.tokenizer, problem.question)
 
 
+@pytest.mark.slow
 def test_best_of_n_cell_has_no_early_exit_and_both_cells_count_the_helpers_kv(torch_backend):
     """A detector that aborts every base candidate at its first token (entropy > 0 from token 1): the rescue
     cell aborts them all, best-of-N (the paper's baseline) aborts none. Memory: helper KV in the total."""

@@ -89,6 +89,7 @@ def assert_same(a, b, path="") -> None:
         assert a == b, path
 
 
+@pytest.mark.slow
 def test_batched_steps_commit_what_the_sequential_loop_commits(torch_backend):
     """nb = nh = 2, three steps of at most 8 tokens: same records per candidate, same summary."""
     config = RescueConfig(2, 2, 8, 3, 2048)
@@ -107,6 +108,7 @@ def test_batched_steps_commit_what_the_sequential_loop_commits(torch_backend):
     assert s_bat["candidates"] == {"base": 2 * len(s_bat["steps"]), "helper": 2 * len(s_bat["steps"])}
 
 
+@pytest.mark.slow
 def test_a_helper_on_the_base_weights_joins_the_base_batch_and_another_model_does_not(torch_backend):
     """nb = nh = 2: with the helper a view of the base's weights, each forward carries all four candidates;
     with a separately loaded helper (its own weights) the two models batch apart. Same candidates either way."""
@@ -126,6 +128,7 @@ def test_a_helper_on_the_base_weights_joins_the_base_batch_and_another_model_doe
         assert_same(a[k], b[k], str(k))
 
 
+@pytest.mark.slow
 def test_a_candidate_aborted_mid_batch_leaves_and_the_rest_match(torch_backend):
     """A detector tight enough to abort some base candidates after a few tokens while their batch-mates go on."""
     config = RescueConfig(2, 2, 10, 2, 2048, detector=DetectorConfig(max_entropy=3.0, entropy_window=2,
@@ -144,6 +147,7 @@ def test_a_candidate_aborted_mid_batch_leaves_and_the_rest_match(torch_backend):
     assert_same(seq.summary()["aborts"], aborts)
 
 
+@pytest.mark.slow
 def test_generate_batch_gives_each_sequence_what_generate_gives_it_alone(torch_backend):
     """Three forks of one prompt, their own seeds, one with a stop string hit early: tokens and stop reasons
     as each alone; a sequence ended by the callback leaves at once (its cache takes no more tokens)."""

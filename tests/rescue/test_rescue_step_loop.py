@@ -46,6 +46,7 @@ def by_step(tr: Transcript, kind: str) -> dict[int, list[dict]]:
 
 
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "sequential"])
+@pytest.mark.slow
 def test_the_fourth_copy_of_a_step_is_aborted_in_the_base(torch_backend, batched):
     tr = run_loop(torch_backend, batched)
     committed = [e for e in tr.events if e["event"] == "step_committed"]
@@ -62,6 +63,7 @@ def test_the_fourth_copy_of_a_step_is_aborted_in_the_base(torch_backend, batched
         assert committed[step]["source"] == "helper" and committed[step]["text"] == UNIT
 
 
+@pytest.mark.slow
 def test_without_the_step_rule_the_loop_goes_on_in_the_base(torch_backend):
     """The same run with the rule off: the detector, reset for every candidate, sees a short step alone."""
     tr = run_loop(torch_backend, True, DetectorConfig(step_copies=0))
