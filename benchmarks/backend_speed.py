@@ -42,9 +42,9 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 # row name → (--dtype, --quant, --compile)
-ROWS = {"fp32": ("fp32", "none", False), "fp16": ("fp16", "none", False), "bf16": ("bf16", "none", False),
+ROWS = {"auto": ("auto", "auto", False), "fp32": ("fp32", "none", False), "fp16": ("fp16", "none", False), "bf16": ("bf16", "none", False),
         "int8": ("auto", "int8", False), "int4": ("auto", "int4", False), "int4c": ("auto", "int4", True),
-        "fp16w": ("auto", "fp16", False), "w8a8": ("auto", "w8a8", False)}
+        "fp16w": ("auto", "fp16", False), "w8a8": ("auto", "w8a8", False), "ggml": ("auto", "ggml", False)}
 
 
 class TorchRow:

@@ -27,6 +27,8 @@ CACHE_FILE = "amx_probe.json"
 PROBE_TOKENS = 64       # a prefill this long takes ggml's tile path (one-row products take a VNNI path)
 PROBE_TIMEOUT_S = 600   # loading a large model in the child can take minutes on a slow disk
 _USED = "AMX buffer used"
+# verdicts this process found, by cache key: the answer stands even where the cache cannot be written
+_found: dict[str, bool] = {}
 
 
 def _system_info() -> str:
@@ -47,10 +49,12 @@ def _key() -> str:
 
 
 def known_verdict() -> bool | None:
-    """The cached verdict for this machine and build (True: AMX layouts run), or None when never probed or
-    when the build has no AMX kernels. Reads the cache only; never starts a child."""
+    """The verdict for this machine and build (True: AMX layouts run) that this process found or the cache
+    holds, or None when never probed or when the build has no AMX kernels. Never starts a child."""
     if not built_with_amx():
         return None
+    if _key() in _found:
+        return _found[_key()]
     hit = lookup(CACHE_FILE, _key())
     return hit.get("extra_bufts") if hit is not None and isinstance(hit.get("extra_bufts"), bool) else None
 
@@ -77,9 +81,11 @@ def extra_bufts_ok(path: Path) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return True
     if child.returncode < 0:
+        _found[_key()] = False
         store(CACHE_FILE, _key(), {"extra_bufts": False, "signal": -child.returncode})
         return False
     if child.returncode == 0 and _USED in child.stdout:
+        _found[_key()] = True
         store(CACHE_FILE, _key(), {"extra_bufts": True})
     return True
 

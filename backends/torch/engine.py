@@ -17,6 +17,7 @@ from zoomr.kvstore.base import FullKVCache, KVCache
 from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .model import Decoder, default_kv_dtype
+from .ggml_layers import available as ggml_available
 from .quant import FP32_QUANT_MODES, check_quant, fp16_gemm_available
 from .w8a8 import available as w8a8_available
 from .weights import load_gguf, load_hf_dir
@@ -65,7 +66,8 @@ def pick_dtype(spec: str, device: torch.device, kernel: str = "dense") -> torch.
     if kernel in FP32_QUANT_MODES:  # fbgemm's fp16 and int8 GEMMs take and return fp32 activations
         if spec in ("auto", "fp32", "float32"):
             return torch.float32
-        raise ValueError(f"--quant {kernel} computes in fp32 (fbgemm takes fp32 activations): use --dtype fp32 "
+        lib = "ggml" if kernel == "ggml" else "fbgemm"
+        raise ValueError(f"--quant {kernel} computes in fp32 ({lib} takes fp32 activations): use --dtype fp32 "
                          f"or auto, not {spec}")
     if spec == "auto":
         if device.type == "cpu":
@@ -117,6 +119,22 @@ def resolve_quant(quant: str, kind: str, dtype: str) -> str:
     if quant != "auto":
         return quant
     return "auto" if kind == "gguf" and DTYPES.get(dtype) != torch.float32 else "none"
+
+
+def check_ggml(kind: str, device: torch.device) -> None:
+    """``--quant ggml`` runs here: a GGUF file, a CPU device, llama-cpp-python's ggml loadable.
+
+    Raises:
+        ValueError: otherwise (the message says which).
+    """
+    if kind != "gguf":
+        raise ValueError("--quant ggml runs ggml's kernels on a GGUF file's blocks: this model is not a GGUF file "
+                         "(use --quant auto)")
+    if device.type != "cpu":
+        raise ValueError(f"--quant ggml runs ggml's CPU kernels, not on {device.type} (use --quant auto)")
+    if not ggml_available():
+        raise ValueError("--quant ggml needs the ggml library of llama-cpp-python, which could not be loaded here "
+                         "(use --quant auto)")
 
 
 @dataclass
@@ -176,10 +194,24 @@ class TorchBackend:
         if runs_here is not None and not runs_here(self.device):
             raise ValueError(f"--quant {self.quant} runs an fbgemm GEMM on an x86 CPU, not on {self.device.type} "
                              "(use --quant int4 or none)")
-        kernel = {"none": "dense", "int8": "int8", "fp16": "fp16", "w8a8": "w8a8"}.get(self.quant, "int4")
+        if self.quant == "ggml":
+            check_ggml(source.kind, self.device)
+            if compile:
+                raise ValueError("--compile compiles torch's layer math, which --quant ggml runs in ggml: use one "
+                                 "or the other")
+        # --quant auto on a CPU with a GGUF file and --dtype auto: ggml's kernels or torch's int4, measured here
+        # (--compile asks for torch's layer math: int4 then)
+        self.quant_reason = ""
+        if (quant == "auto" and self.quant == "auto" and dtype == "auto" and self.device.type == "cpu"
+                and source.kind == "gguf" and not compile and ggml_available()):
+            from .quant_probe import pick, reason
+
+            self.quant, entry = pick(source.path, pick_dtype("auto", self.device, "int4"))
+            self.quant_reason = f" (--quant auto → {'ggml' if self.quant == 'ggml' else 'int4'}: {reason(entry)})"
+        kernel = {"none": "dense", "int8": "int8", "fp16": "fp16", "w8a8": "w8a8", "ggml": "ggml"}.get(self.quant, "int4")
         self.dtype = pick_dtype(dtype, self.device, kernel)
         if source.kind == "gguf":
-            cfg, tensors, meta = load_gguf(source.path, keep_blocks=self.quant != "none")
+            cfg, tensors, meta = load_gguf(source.path, keep_blocks=self.quant != "none", raw=self.quant == "ggml")
             self.tokenizer = LlamaCppTokenizer(source.path)
         else:
             cfg, tensors, meta = load_hf_dir(source.path)
@@ -238,7 +270,7 @@ class TorchBackend:
         over = (f" · -c {self.n_ctx} is past the trained context of {self.cfg.max_ctx} positions (extrapolated)"
                 if self.n_ctx > self.cfg.max_ctx else "")
         return (f"{self.source.name} · torch · {self.device.type} · {str(self.dtype).replace('torch.', '')}{kv}"
-                f" · weights {self.model.weight_summary()} · {self.cfg.n_layers} layers"
+                f" · weights {self.model.weight_summary()}{self.quant_reason} · {self.cfg.n_layers} layers"
                 f"{' · compiled decode' if self.model.compiled else ''}{over}")
 
     def new_sequence(self) -> TorchSequence:

@@ -22,6 +22,7 @@ from zoomr.kvstore.base import KVCache
 
 from .cascade import attend_shared_prefix, shared_prefix_groups
 from .config import ModelConfig
+from .ggml_layers import GgmlEmbedding, GgmlLayer, GgmlLinear
 from .head import EXACT_TOP_K, ExactTopHead
 from .quant import DenseLinear, GroupQuant, Int4Linear, Int8Linear, Linear, QuantEmbedding, check_quant, make_linear
 from .rope import RotaryTable, apply_rotary, inv_frequencies
@@ -96,9 +97,15 @@ def attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
     Returns:
         q [H, S, d], k [Hkv, S, d], v [Hkv, S, d] in ``shape.kv_dtype``.
     """
-    H, Hkv, d, S = shape.n_heads, shape.n_kv_heads, shape.head_dim, x.shape[0]
     h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, shape.eps).to(shape.dtype)
-    qkv = L.qkv(h).to(shape.kv_dtype)
+    return qkv_heads(L.qkv(h).to(shape.kv_dtype), L, cos, sin, shape)
+
+
+def qkv_heads(qkv: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
+              shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's output [S, (H + 2·Hkv)·d] (in ``shape.kv_dtype``) split into heads, with the
+    per-head q/k RMSNorm where the layer has one and RoPE on q and k: q [H, S, d], k [Hkv, S, d], v [Hkv, S, d]."""
+    H, Hkv, d, S = shape.n_heads, shape.n_kv_heads, shape.head_dim, qkv.shape[0]
     qk = qkv[:, :(H + Hkv) * d].view(S, H + Hkv, d)
     if L.qk_norm is not None:
         # normalized in fp32 whatever the KV dtype, as transformers' Qwen3RMSNorm does; q and k heads in one
@@ -127,6 +134,20 @@ def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: "_Layer", shape: LayerShap
 
 
 _EAGER = (attn_in, attn_out_mlp)
+
+
+def ggml_attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
+                 shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attn_in` with RMSNorm and the QKV projection in one ggml graph (``--quant ggml``)."""
+    return qkv_heads(L.ggml.norm_qkv(x).to(shape.kv_dtype), L, cos, sin, shape)
+
+
+def ggml_attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: "_Layer", shape: LayerShape) -> torch.Tensor:
+    """:func:`attn_out_mlp` as one ggml graph (``--quant ggml``)."""
+    return L.ggml.out_mlp(x, o)
+
+
+_GGML = (ggml_attn_in, ggml_attn_out_mlp)
 
 
 class _CompiledOrEager:
@@ -195,6 +216,7 @@ class _Layer:
     gate_up: Linear           # hidden → 2 * ffn
     down: Linear              # ffn → hidden
     qk_norm: torch.Tensor | None = None   # [H + Hkv, d] float32: q_norm on the H query rows, k_norm on the Hkv (Qwen3)
+    ggml: GgmlLayer | None = None          # --quant ggml: the layer's dense part as ggml graphs
 
 
 class Decoder:
@@ -234,16 +256,27 @@ class Decoder:
         def norm(name: str) -> torch.Tensor:  # norms run on the fp32 residual stream
             return t(name, torch.float32)
 
-        def lin(names: list[str], bias: list[str] | None = None) -> Linear:
+        ggml = quant == "ggml"
+        threads = torch.get_num_threads()
+
+        def lin(names: list[str], bias: list[str] | None = None, fuse: bool = True) -> Linear:
             b = np.concatenate([np.asarray(tensors[n], np.float32) for n in bias]) if bias else None
+            if ggml:
+                return GgmlLinear([tensors[n] for n in names], b, threads, fuse=fuse)
             return make_linear([tensors[n] for n in names], b, quant, device, dtype)
 
         emb = tensors["model.embed_tokens.weight"]
-        if isinstance(emb, GroupQuant) and quant != "none":
+        if ggml:
+            self.embed = GgmlEmbedding(emb, threads)
+            head = tensors["model.embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"]
+            self.lm_head = GgmlLinear([head], None, threads)
+        elif isinstance(emb, GroupQuant) and quant != "none":
             self.embed = QuantEmbedding(emb, device)  # exact rows, a quarter (Q8_0) of fp32's bytes
         else:
             self.embed = t("model.embed_tokens.weight")
-        if cfg.tied_embeddings and isinstance(self.embed, torch.Tensor) and (
+        if ggml:
+            pass
+        elif cfg.tied_embeddings and isinstance(self.embed, torch.Tensor) and (
                 quant == "none" or (quant == "auto" and not isinstance(emb, GroupQuant))):
             self.lm_head = DenseLinear.sharing(self.embed)  # one table for lookup and head
         else:
@@ -271,16 +304,24 @@ class Decoder:
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            self.layers.append(_Layer(
+            L = _Layer(
                 attn_norm=norm(p + "input_layernorm.weight"),
                 qkv=lin([a + f"{x}_proj.weight" for x in "qkv"],
                         [a + f"{x}_proj.bias" for x in "qkv"] if cfg.attn_bias else None),
                 o=lin([a + "o_proj.weight"]),
                 mlp_norm=norm(p + "post_attention_layernorm.weight"),
-                gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], fuse=not ggml),
                 down=lin([p + "mlp.down_proj.weight"]),
                 qk_norm=qk_norm(a),
-            ))
+            )
+            if ggml:
+                L.ggml = GgmlLayer(L.qkv, L.o, L.gate_up, L.down, tensors[p + "input_layernorm.weight"],
+                                   tensors[p + "post_attention_layernorm.weight"], cfg.rms_eps, threads)
+            self.layers.append(L)
+        if ggml:
+            self._blocks = _GGML
+            for a, b in zip(self.layers, self.layers[1:]):
+                a.ggml.next = b.ggml
         freq = tensors.get("rope_freqs")
         inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                               torch.from_numpy(np.asarray(freq, np.float32)) if freq is not None else None)
@@ -290,7 +331,7 @@ class Decoder:
     @property
     def compiled(self) -> bool:
         """Decode steps run compiled graphs: ``compile`` was asked for and compiling has not failed."""
-        return self._blocks is not _EAGER and not self._blocks[0].state["failed"]
+        return self._blocks not in (_EAGER, _GGML) and not self._blocks[0].state["failed"]
 
     def linears(self) -> list[Linear]:
         """Every linear of the model, LM head last."""
@@ -300,7 +341,10 @@ class Decoder:
         """Bytes of all weights as held on the device (a tied table counted once per form it is held in)."""
         total = sum(x.nbytes() for x in self.linears())
         tensors = [self.norm] + [w for L in self.layers for w in (L.attn_norm, L.mlp_norm, L.qk_norm) if w is not None]
-        if isinstance(self.embed, QuantEmbedding):
+        if isinstance(self.embed, GgmlEmbedding):
+            # a tied table is the head's bytes too, already counted there
+            total += 0 if self.cfg.tied_embeddings else self.embed.nbytes()
+        elif isinstance(self.embed, QuantEmbedding):
             total += self.embed.nbytes()
         elif not (isinstance(self.lm_head, DenseLinear) and self.lm_head.w is self.embed):
             tensors.append(self.embed)
@@ -390,7 +434,8 @@ class Decoder:
         x = self.embed[ids].float()
         cos, sin = self.rope.get(positions)
         shape = self._shape
-        attn_in, attn_out_mlp = self._blocks if S == len(lengths) else _EAGER   # decode only: one row a sequence
+        # compiled blocks serve decode only (one row a sequence); ggml's serve every row count
+        attn_in, attn_out_mlp = self._blocks if S == len(lengths) or self._blocks is _GGML else _EAGER
         o = torch.empty(S, H * d, device=x.device, dtype=self.dtype)
         masks: dict[tuple[int, int], torch.Tensor] = {}  # layers attending the same N share one causal mask
         for li, L in enumerate(self.layers):

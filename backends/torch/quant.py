@@ -49,7 +49,9 @@ decoder works around it: :mod:`.head` for the logits, an fp32 SwiGLU product in 
 
 Kernel choice: the int4 bf16 kernel is the fastest of these per decode token on both CPUs measured (AVX2 and
 AVX512-BF16; ``benchmarks/backend_speed.py`` rows, docs/backends.md "Quantized weights"), and the int kernels in fp32 or
-fp16 are an order of magnitude slower than in bf16. torchao 0.18's int4 CPU layout calls the same aten op, its
+fp16 are an order of magnitude slower than in bf16. On an AVX2 CPU ggml's integer kernels beat it
+(:mod:`.ggml_layers`, ``--quant ggml``, outside this module): ``--quant auto`` measures the two per machine
+(:mod:`.quant_probe`). torchao 0.18's int4 CPU layout calls the same aten op, its
 int8 weight-only layout was slower than ``_weight_int8pack_mm``, and its PyPI wheel carries no CPU kernels of
 its own (the AVX512 ``da8w4`` op is absent).
 """
@@ -67,9 +69,9 @@ from .w8a8 import W8A8Linear
 
 # GGUF's legacy block and the K-quants' sub-block (Q6_K: 16); also the group of load-time int4 quantization
 GROUP = 32
-QUANT_MODES = ("auto", "none", "int8", "int4", "fp16", "w8a8")
-# modes whose kernels (fbgemm's) take and return fp32 activations: a half --dtype is refused with them
-FP32_QUANT_MODES = ("fp16", "w8a8")
+QUANT_MODES = ("auto", "none", "int8", "int4", "fp16", "w8a8", "ggml")
+# modes whose kernels (fbgemm's, ggml's) take and return fp32 activations: a half --dtype is refused with them
+FP32_QUANT_MODES = ("fp16", "w8a8", "ggml")
 # ggml's legacy blocks (32 weights): type → bytes per block
 _LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 # ggml's K-quant super-blocks (QK_K = 256 weights): type → bytes per super-block

@@ -16,6 +16,7 @@ architecture reads).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from zoomr.backends.gguf_file import (PER_LAYER_KEYS, ROPE_BASE_DEFAULTS, GGUFAr
 from zoomr.backends.models import ModelLoadError, short_repr
 
 from .config import SUPPORTED_ARCHS, ModelConfig
+from .ggml_layers import RawWeight
 from .quant import GGUF_BLOCK_TYPES, GroupQuant, from_gguf_blocks
 
 
@@ -178,7 +180,8 @@ def _gguf_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[str, np.ndarray | GroupQuant], dict]:
+def load_gguf(path: Path, keep_blocks: bool = False, raw: bool = False,
+              layers: int | None = None) -> tuple[ModelConfig, dict[str, np.ndarray | GroupQuant | RawWeight], dict]:
     """Read a GGUF file, after checking its header, metadata and every tensor's shape.
 
     Memory: at most 4 bytes per element of the tensors the checked header describes (float32 copies; 2
@@ -191,6 +194,10 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
             Q4_K, Q5_K, Q6_K: :data:`zoomr.backends.torch.quant.GGUF_BLOCK_TYPES`) as their exact codes and
             scales (:func:`zoomr.backends.torch.quant.from_gguf_blocks`) instead of dequantizing them; other
             types (F16, Q2_K, Q3_K …) are dequantized.
+        raw: return every 2-D tensor as the file's bytes (:class:`zoomr.backends.torch.ggml_layers.RawWeight`,
+            for ``--quant ggml``); only the 1-D ones (norms, biases) are read as float32.
+        layers: read only the first ``layers`` layers' tensors (and the global ones); the returned config
+            says ``n_layers = layers`` (a probe's cut-down model). None: all.
     Returns:
         (config, tensors under HF names: float32 arrays, or :class:`GroupQuant` where blocks are kept,
         metadata dict with ``chat_template``).
@@ -218,18 +225,29 @@ def load_gguf(path: Path, keep_blocks: bool = False) -> tuple[ModelConfig, dict[
             raise ModelLoadError(f"{path}: tensor {first} has unsupported type {qtype.name}") from None
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, np.ndarray | GroupQuant] = {}
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, n_layers=min(layers, cfg.n_layers))
+        named = {n: t for n, t in named.items()
+                 if not n.startswith("model.layers.") or int(n.split(".")[2]) < cfg.n_layers}
     for name, t in named.items():
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         rows = t.shape[:-1]
-        raw = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.ne[0] // block * type_size)
+        raw_bytes = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.ne[0] // block * type_size)
+        if raw and len(rows) == 1:
+            w = RawWeight(raw_bytes, int(t.ggml_type), t.ggml_type.name, tuple(t.shape))
+            if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                w = w.take_rows(unpermute_qk(np.arange(w.shape[0]), cfg.n_heads if ".q_proj." in name
+                                             else cfg.n_kv_heads))
+            tensors[name] = w
+            continue
         if keep_blocks and len(rows) == 1 and t.ggml_type.name in GGUF_BLOCK_TYPES:
-            q = from_gguf_blocks(raw, t.ggml_type.name)
+            q = from_gguf_blocks(raw_bytes, t.ggml_type.name)
             if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
                 heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads
                 q = q.take_rows(unpermute_qk(np.arange(q.shape[0]), heads))
             tensors[name] = q
             continue
-        arr = gguf.quants.dequantize(raw, t.ggml_type)
+        arr = gguf.quants.dequantize(raw_bytes, t.ggml_type)
         # F32 tensors come back as read-only views of the memory-mapped file: copy those
         arr = np.require(arr, np.float32, ["C", "W"]).reshape(t.shape)
         if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):

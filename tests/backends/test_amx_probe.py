@@ -17,6 +17,12 @@ from zoomr.backends.llamacpp.runtime import llama_defaults, model_params
 needs_amx_build = pytest.mark.skipif(not amx_probe.built_with_amx(), reason="this llama.cpp build has no AMX kernels")
 
 
+@pytest.fixture(autouse=True)
+def fresh_process_verdicts(monkeypatch):
+    """Each test starts as a new process would: no verdict found yet in this one."""
+    monkeypatch.setattr(amx_probe, "_found", {})
+
+
 def test_builds_without_amx_kernels_start_no_child(tmp_path, monkeypatch, embedded_path):
     monkeypatch.setenv("ZOOMR_CACHE", str(tmp_path))
     if amx_probe.built_with_amx():
@@ -36,7 +42,8 @@ def test_verdict_matches_the_child_and_is_cached(tmp_path, monkeypatch, embedded
     assert amx_probe.extra_bufts_ok(embedded_path) is (not faults)
     stored = json.loads((tmp_path / amx_probe.CACHE_FILE).read_text())
     assert [v["extra_bufts"] for v in stored.values()] == [not faults]
-    # the cached entry is what later loads read: flipped by hand, it is believed (no second child)
+    # the cached entry is what later processes read: flipped by hand, it is believed (no second child)
+    amx_probe._found.clear()
     key = next(iter(stored))
     (tmp_path / amx_probe.CACHE_FILE).write_text(json.dumps({key: {"extra_bufts": faults}}))
     assert amx_probe.extra_bufts_ok(embedded_path) is faults
@@ -66,6 +73,20 @@ def test_model_line_says_when_amx_layouts_are_off(tmp_path, monkeypatch, embedde
         assert backend.prefill(seq, list(range(100, 100 + amx_probe.PROBE_TOKENS))).shape[-1] == backend.info.n_vocab
     finally:
         backend.close()
+
+
+@needs_amx_build
+def test_the_verdict_holds_where_the_cache_cannot_be_written(tmp_path, monkeypatch, embedded_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ZOOMR_CACHE", str(blocker / "cache"))   # under a regular file: never writable
+    child = subprocess.run([sys.executable, "-m", amx_probe.__name__, str(embedded_path)], capture_output=True,
+                           text=True, timeout=amx_probe.PROBE_TIMEOUT_S)
+    faults = child.returncode < 0
+    assert amx_probe.extra_bufts_ok(embedded_path) is (not faults)
+    # the model line reads known_verdict(): it must say what this process found, cache or not
+    assert amx_probe.known_verdict() is ((not faults) if faults or amx_probe._USED in child.stdout else None)
+    assert not (blocker / "cache").exists()
 
 
 def test_llama_defaults_applies_the_verdict_and_restores_the_bindings(embedded_path):

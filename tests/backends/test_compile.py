@@ -37,9 +37,10 @@ def test_compiled_decode_follows_eager(policy):
 
     prompts = [list(range(200, 290)), list(range(900, 960))]   # ragged: two lengths in one batch
     knobs = {"window": 32} if policy == "zoomr" else {}   # a short window: ZoomR selects within 24 steps
-    eager = api.load(policy=policy, ctx_size=512, **knobs)
+    # --quant int4 on both: --compile compiles torch's layer math, which --quant auto may hand to ggml instead
+    eager = api.load(policy=policy, ctx_size=512, quant="int4", **knobs)
     graphs = counters["stats"]["unique_graphs"]
-    compiled = api.load(policy=policy, ctx_size=512, compile=True, **knobs)
+    compiled = api.load(policy=policy, ctx_size=512, compile=True, quant="int4", **knobs)
     assert "compiled decode" in compiled.describe() and "compiled" not in eager.describe()
     if policy == "full":   # the first load compiles (later ones reuse the graphs of this process)
         assert counters["stats"]["unique_graphs"] >= graphs + 2

@@ -102,8 +102,9 @@ def test_a_run_cut_by_max_steps_takes_no_answer_from_a_cut_expression():
     ends "The answer is 3+"): its answer is read as a truncated solve's is, never "3"."""
     from zoomr.grading import extract_answer
 
+    # --dtype bf16: the int4 path, whose greedy text this test reads (another path writes another step)
     r = zoomr("solve", "-p", "What is 3+4?", "--rescue", "--nb", "1", "--nh", "1", "--max-steps", "1",
-              "--step-tokens", "8", "-t", "1", "--json", "-")
+              "--step-tokens", "8", "-t", "1", "--dtype", "bf16", "--json", "-")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     text = "".join(st["text"] for st in rec["steps"])

@@ -14,9 +14,11 @@ NOTE = "zoomr: note: the model wrote no summary in 64 tokens; segments are cut a
 @pytest.mark.parametrize("backend,policy", [("torch", "zoomr"), ("llamacpp", "sumr")])
 def test_model_mode_without_summaries_says_so_once_and_counts_the_blocks(tmp_path, backend, policy):
     out = tmp_path / "run.json"
+    # torch runs its int4 path (--dtype bf16), whose text runs the full -n without an end of sequence
+    dtype = ["--dtype", "bf16"] if backend == "torch" else []
     r = zoomr("solve", "examples/problem.txt", "--backend", backend, "-t", "1", "--policy", policy,
               "--summaries", "model", "--segment-tokens", "16", "--window", "8", "-n", "120", "--no-live",
-              "--json", str(out))
+              *dtype, "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert [line for line in r.stderr.splitlines() if "note:" in line] == [NOTE], r.stderr
     rec = json.loads(out.read_text())

@@ -42,8 +42,12 @@ _OPTION_DECLS = {
     "dtype": (str, typer.Option("--dtype", help="torch compute dtype: auto (bf16 on CUDA; on CPU bf16 or fp16, "
                                 "whichever this machine runs faster, measured once), fp32, bf16, fp16.",
                                 rich_help_panel=PANEL_MODEL)),
-    "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K "
-                                "blocks kept in the int4 kernel, exact; Q6_K regrouped to 32; none for HF models and --dtype fp32), none, int8, int4 (quantized at load), "
+    "quant": (str, typer.Option("--quant", help="torch weights: auto (a GGUF on a CPU with --dtype auto: ggml or "
+                                "int4, whichever decodes faster here, measured once; else the GGUF's Q4_0/Q4_1/Q5_0/"
+                                "Q5_1/Q8_0/Q4_K/Q5_K blocks kept in the int4 kernel, exact, Q6_K regrouped to 32; none "
+                                "for HF models and --dtype fp32), ggml (GGUF on CPU: the file's blocks in llama.cpp's "
+                                "ggml kernels, 8-bit activations, fp32; norms and MLP in ggml too), none, int8, int4 "
+                                "(quantized at load), "
                                 "fp16 (fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact "
                                 "forms; refuses a half --dtype), w8a8 (int8 weights and activations: fbgemm on x86 CPUs; "
                                 "fastest prefill and batches there, slower one-row decode, lossy; refuses a half --dtype: "

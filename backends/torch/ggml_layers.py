@@ -1,0 +1,245 @@
+"""``--quant ggml``: the decoder's dense work in ggml's CPU kernels, on the GGUF's own blocks.
+
+Per layer, two ggml graphs do everything but attention, the same ops in the same order as llama.cpp's graph:
+
+- :meth:`GgmlLayer.norm_qkv`: RMSNorm × weight, then the Q, K and V projections (+ bias), [S, hidden] →
+  [S, (H + 2·Hkv)·d];
+- :meth:`GgmlLayer.out_mlp`: the output projection and residual, RMSNorm × weight, ``silu(gate) · up``, the down
+  projection and residual, [S, hidden] and [S, H·d] → [S, hidden].
+
+RoPE, the KV cache and attention (where KV policies and ZoomR's selection act) stay in torch, between the two.
+The token embedding is ggml's ``get_rows`` and the LM head a ggml ``mul_mat`` (:class:`GgmlLinear`). Weights are
+the file's bytes (a llama file's Q/K rows reordered to rotate-half order, a copy of those two); each product
+quantizes its activation rows to the weight type's dot-product partner (Q8_0, Q8_1, Q8_K) per row, so a row's
+result does not depend on its batch-mates. Activations and results are fp32.
+
+Graphs are built per row count S and kept for the most recent few (decode's 1 and a batch size stay built).
+Source: llama.cpp's ``llm_build_llama`` / ``llm_build_qwen3`` graphs (``src/models``), ggml's ops.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import ggml_ops
+from .ggml_ops import TYPE_F32, TYPE_I32, Builder, Graph
+
+_KEEP_SHAPES = 4   # row counts whose graphs stay built (decode 1, a batch size, the last prefill lengths)
+
+
+@dataclass
+class RawWeight:
+    """A 2-D GGUF tensor as the file stores it.
+
+    Attributes:
+        data: [N, row_bytes] uint8, C-contiguous: each row's blocks.
+        ggml_type: ggml's type id (gguf's ``GGMLQuantizationType``); type_name: its name (``Q4_1`` ...).
+        shape: (N, K) in weights.
+    """
+
+    data: np.ndarray
+    ggml_type: int
+    type_name: str
+    shape: tuple[int, int]
+
+    def take_rows(self, order: np.ndarray) -> "RawWeight":
+        """The same weight with rows reordered (``order``: [N] row indices): whole rows of blocks move."""
+        return RawWeight(np.ascontiguousarray(self.data[order]), self.ggml_type, self.type_name, self.shape)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K], through gguf's reference dequantization."""
+        import gguf
+
+        return gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType(self.ggml_type)).reshape(self.shape)
+
+    @staticmethod
+    def concat(parts: list["RawWeight"]) -> "RawWeight":
+        """Rows of ``parts`` stacked; all of one type and K.
+
+        Raises:
+            ValueError: parts of different types or widths.
+        """
+        first = parts[0]
+        if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("cannot stack GGUF tensors of different types or widths")
+        return RawWeight(np.ascontiguousarray(np.concatenate([p.data for p in parts])), first.ggml_type,
+                         first.type_name, (sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+def _runs(parts: list[RawWeight]) -> list[RawWeight]:
+    """Consecutive parts of one type stacked into one weight each (fused QKV or gate/up: usually one)."""
+    runs: list[list[RawWeight]] = []
+    for p in parts:
+        if runs and runs[-1][0].ggml_type == p.ggml_type:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [r[0] if len(r) == 1 else RawWeight.concat(r) for r in runs]
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32)
+
+
+class _GraphCache:
+    """Graphs by row count, the most recent few kept."""
+
+    def __init__(self, build):
+        self._build, self._graphs = build, OrderedDict()
+
+    def __call__(self, rows: int) -> Graph:
+        g = self._graphs.get(rows)
+        if g is None:
+            g = self._graphs[rows] = self._build(rows)
+            while len(self._graphs) > _KEEP_SHAPES:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(rows)
+        return g
+
+
+class GgmlLinear:
+    """``x @ wᵀ (+ b)`` with ggml's ``mul_mat`` on a GGUF tensor's blocks (one product per run of alike types).
+
+    Args:
+        parts: row blocks stacked in order (fused QKV: Q, K, V), all with the same K.
+        bias: [ΣN] float32 or None.
+        n_threads: ggml threads (the backend's ``-t``).
+        fuse: stack alike parts into one product (QKV); False keeps one product per part (gate and up, which
+            the SwiGLU reads apart).
+    """
+
+    def __init__(self, parts: list[RawWeight], bias: np.ndarray | None, n_threads: int, fuse: bool = True):
+        self.parts = _runs(parts) if fuse else list(parts)
+        self.bias = None if bias is None else _f32(bias)
+        self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+        self.kind = "/".join(sorted({f"ggml ({p.type_name})" for p in self.parts}))
+        self.n_threads = n_threads
+        self._graphs = _GraphCache(self._build)
+
+    def project(self, b: Builder, x: int) -> list[int]:
+        """The products of ``x`` (a graph tensor [S, K]) with each run, bias added: [S, N_run] each."""
+        outs, row = [], 0
+        for p in self.parts:
+            y = b.mul_mat(b.weight(p.data, p.ggml_type, p.shape), x)
+            if self.bias is not None:
+                y = b.add(y, b.weight(self.bias[row:row + p.shape[0]], TYPE_F32, (p.shape[0],)))
+            outs.append(y)
+            row += p.shape[0]
+        return outs
+
+    def _build(self, rows: int) -> Graph:
+        b = Builder()
+        outs = self.project(b, b.input("x", rows, self.shape[1]))
+        return b.finish({f"y{i}": y for i, y in enumerate(outs)}, self.n_threads)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, K] → [S, N] float32."""
+        x = x.float().contiguous()
+        ys = self._graphs(x.shape[0]).run(x=x)
+        return ys["y0"] if len(ys) == 1 else torch.cat(list(ys.values()), dim=-1)
+
+    def nbytes(self) -> int:
+        """The file's bytes for these rows (plus the bias): what is held."""
+        return sum(p.data.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.nbytes)
+
+
+class GgmlLayer:
+    """One decoder layer's dense part in two ggml graphs (see the module docstring).
+
+    Args:
+        qkv, o, down: the projections (:class:`GgmlLinear`); gate_up: gate and up, unfused (two products);
+        attn_norm, mlp_norm: [hidden] float32; eps: RMSNorm epsilon; n_threads: ggml threads.
+    """
+
+    def __init__(self, qkv: GgmlLinear, o: GgmlLinear, gate_up: GgmlLinear, down: GgmlLinear,
+                 attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: float, n_threads: int):
+        if len(gate_up.parts) != 2:
+            raise ValueError("the ggml layer takes gate and up as two separate products")
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.attn_norm, self.mlp_norm, self.eps, self.n_threads = _f32(attn_norm), _f32(mlp_norm), eps, n_threads
+        self.hidden = o.shape[0]
+        # the next layer: its RMSNorm and QKV join this layer's out_mlp graph (one ggml call per layer, not two)
+        self.next: GgmlLayer | None = None
+        self._pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None   # (residual, its QKV), from the last
+        self._in = _GraphCache(self._build_in)
+        self._out = _GraphCache(self._build_out)
+
+    def _norm(self, b: Builder, x: int, w: np.ndarray) -> int:
+        return b.rms_norm(x, b.weight(w, TYPE_F32, w.shape), self.eps)
+
+    def _qkv(self, b: Builder, x: int) -> dict[str, int]:
+        return {f"y{i}": y for i, y in enumerate(self.qkv.project(b, self._norm(b, x, self.attn_norm)))}
+
+    def _build_in(self, rows: int) -> Graph:
+        b = Builder()
+        return b.finish(self._qkv(b, b.input("x", rows, self.hidden)), self.n_threads)
+
+    def _build_out(self, rows: int) -> Graph:
+        b = Builder(96)
+        x = b.input("x", rows, self.hidden)
+        h = b.add(x, self._one(self.o.project(b, b.input("o", rows, self.o.shape[1]))))
+        n = self._norm(b, h, self.mlp_norm)
+        gate, up = self.gate_up.project(b, n)
+        out = b.add(h, self._one(self.down.project(b, b.mul(b.silu(gate), up))))
+        nxt = {} if self.next is None else self.next._qkv(b, out)
+        return b.finish({"x": out, **nxt}, self.n_threads)
+
+    @staticmethod
+    def _one(ys: list[int]) -> int:
+        if len(ys) != 1:   # the o/gate/up/down projections are single GGUF tensors: one type each
+            raise ValueError("a single-tensor projection gave several products")
+        return ys[0]
+
+    def norm_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] float32 residual → [S, (H + 2·Hkv)·d] float32 (RMSNorm, then Q, K, V). Where the layer
+        before computed them with its :meth:`out_mlp` from this very ``x``, those are returned."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is x:
+            ys = pending[1]
+        else:
+            ys = list(self._in(x.shape[0]).run(x=x.contiguous()).values())
+        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+    def out_mlp(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] residual, o [S, H·d] attention output (float32) → the next residual [S, hidden]; the next
+        layer's QKV of it are computed in the same graph and handed to that layer's :meth:`norm_qkv`."""
+        ys = self._out(x.shape[0]).run(x=x.contiguous(), o=o.float().contiguous())
+        out = ys.pop("x")
+        if self.next is not None:
+            self.next._pending = (out, list(ys.values()))
+        return out
+
+
+class GgmlEmbedding:
+    """Token rows looked up from the file's table with ggml's ``get_rows`` (dequantized exactly, fp32).
+
+    Args:
+        table: [V, hidden] GGUF tensor; n_threads: ggml threads.
+    """
+
+    def __init__(self, table: RawWeight, n_threads: int):
+        self.table, self.n_threads = table, n_threads
+        self._graphs = _GraphCache(self._build)
+
+    def _build(self, rows: int) -> Graph:
+        b = Builder()
+        t = self.table
+        out = b.get_rows(b.weight(t.data, t.ggml_type, t.shape), b.input("ids", rows, 1, TYPE_I32))
+        return b.finish({"rows": out}, self.n_threads)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 → [T, hidden] float32."""
+        return self._graphs(ids.shape[0]).run(ids=ids.to(torch.int32).contiguous())["rows"]
+
+    def nbytes(self) -> int:
+        return self.table.data.nbytes
+
+
+def available() -> bool:
+    """``--quant ggml`` can run here: llama-cpp-python's ggml is loadable and laid out as expected."""
+    return ggml_ops.available()

@@ -1,0 +1,271 @@
+"""ggml's CPU kernels called from torch: small ggml graphs over the GGUF's own blocks, through ctypes.
+
+llama.cpp multiplies a quantized weight block by an activation block quantized on the fly to 8 bits
+(Q4_1 × Q8_1, Q4_K × Q8_K ...), with integer dot products: ``vpmaddubsw`` on AVX2, VNNI where the CPU has it.
+torch has no CPU kernel that takes a scale per 32 weights with int8 activations, and its int4 kernel computes
+in bf16, which AVX2 CPUs lack. The ggml library that llama-cpp-python already ships has those kernels, for every
+GGUF type, reading the file's bytes as they are. This module builds ggml graphs (a few ops: ``mul_mat``,
+``rms_norm``, ``silu``, ``mul``, ``add``, ``get_rows``) whose weights point into the GGUF's memory map and whose
+inputs and outputs point at torch tensors, and runs them on a ggml thread pool kept for the process.
+
+Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). One field of ``struct ggml_tensor`` is written
+directly, ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way); the struct's
+layout is checked against ``ggml_get_data``/``ggml_nbytes`` on a real tensor before anything runs, and a build
+whose layout differs reports itself unavailable rather than guessing.
+
+Source: ggml's C API as vendored by llama-cpp-python (``vendor/llama.cpp/ggml/include``); the type ids are
+gguf's ``GGMLQuantizationType``, the same enum.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import functools
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+P = C.c_void_p
+TYPE_F32, TYPE_I32 = 0, 26
+_ALIGN = 64
+
+
+class _InitParams(C.Structure):
+    _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", P), ("no_alloc", C.c_bool)]
+
+
+class _Tensor(C.Structure):
+    # struct ggml_tensor (ggml.h), GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64 bytes, GGML_MAX_SRC 10, GGML_MAX_NAME 64
+    _fields_ = [("type", C.c_int), ("buffer", P), ("ne", C.c_int64 * 4), ("nb", C.c_size_t * 4), ("op", C.c_int),
+                ("op_params", C.c_int32 * 16), ("flags", C.c_int32), ("src", P * 10), ("view_src", P),
+                ("view_offs", C.c_size_t), ("data", P), ("name", C.c_char * 64), ("extra", P), ("padding", C.c_char * 8)]
+
+
+class _CPlan(C.Structure):
+    _fields_ = [("work_size", C.c_size_t), ("work_data", P), ("n_threads", C.c_int), ("threadpool", P),
+                ("abort_callback", P), ("abort_callback_data", P), ("use_ref", C.c_bool)]
+
+
+class _PoolParams(C.Structure):
+    _fields_ = [("cpumask", C.c_bool * 512), ("n_threads", C.c_int), ("prio", C.c_int), ("poll", C.c_uint32),
+                ("strict_cpu", C.c_bool), ("paused", C.c_bool)]
+
+
+_DATA = _Tensor.data.offset
+
+
+def _library(folder: Path, stem: str) -> C.CDLL:
+    suffix = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
+    names = [f"lib{stem}{suffix}", f"{stem}{suffix}"]
+    for name in names:
+        if (folder / name).exists():
+            return C.CDLL(str(folder / name), mode=C.RTLD_GLOBAL)
+    raise OSError(f"{' or '.join(names)} not in {folder}")
+
+
+class _Lib:
+    """The bound functions of llama-cpp-python's libggml-base and libggml-cpu."""
+
+    def __init__(self):
+        import llama_cpp
+
+        folder = Path(llama_cpp.__file__).parent / "lib"
+        base, cpu = _library(folder, "ggml-base"), _library(folder, "ggml-cpu")
+        sig = {
+            (base, "ggml_init"): ([_InitParams], P), (base, "ggml_free"): ([P], None),
+            (base, "ggml_new_tensor_1d"): ([P, C.c_int, C.c_int64], P),
+            (base, "ggml_new_tensor_2d"): ([P, C.c_int, C.c_int64, C.c_int64], P),
+            (base, "ggml_mul_mat"): ([P, P, P], P), (base, "ggml_add"): ([P, P, P], P),
+            (base, "ggml_mul"): ([P, P, P], P), (base, "ggml_silu"): ([P, P], P),
+            (base, "ggml_rms_norm"): ([P, P, C.c_float], P), (base, "ggml_get_rows"): ([P, P, P], P),
+            (base, "ggml_new_graph_custom"): ([P, C.c_size_t, C.c_bool], P),
+            (base, "ggml_build_forward_expand"): ([P, P], None),
+            (base, "ggml_tensor_overhead"): ([], C.c_size_t), (base, "ggml_graph_overhead_custom"): ([C.c_size_t, C.c_bool], C.c_size_t),
+            (base, "ggml_nbytes"): ([P], C.c_size_t), (base, "ggml_get_data"): ([P], P),
+            (base, "ggml_threadpool_params_default"): ([C.c_int], _PoolParams),
+            (cpu, "ggml_threadpool_new"): ([C.POINTER(_PoolParams)], P),
+            (cpu, "ggml_graph_plan"): ([P, C.c_int, P], _CPlan),
+            (cpu, "ggml_graph_compute"): ([P, C.POINTER(_CPlan)], C.c_int),
+            (cpu, "ggml_cpu_init"): ([], None),
+        }
+        for (lib, name), (args, res) in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+            setattr(self, name.removeprefix("ggml_"), fn)
+        self.cpu_init()
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        # a real allocated tensor: our struct must find its sizes and data pointer where ggml keeps them
+        ctx = self.init(_InitParams(4096, None, False))
+        try:
+            t = self.new_tensor_2d(ctx, TYPE_F32, 3, 2)
+            s = _Tensor.from_address(t)
+            if (s.data != self.get_data(t) or list(s.ne) != [3, 2, 1, 1] or s.nb[1] != 12
+                    or self.nbytes(t) != 24 or s.type != TYPE_F32):
+                raise OSError("struct ggml_tensor in this llama-cpp-python build differs from the layout zoomr reads")
+        finally:
+            self.free(ctx)
+
+
+@functools.cache
+def lib() -> _Lib:
+    """The ggml library, bound and checked once per process.
+
+    Raises:
+        OSError: llama-cpp-python's ggml libraries are missing or their tensor layout differs.
+    """
+    return _Lib()
+
+
+def available() -> bool:
+    """ggml's CPU kernels can be called here (llama-cpp-python installed, its ggml's tensor layout as expected)."""
+    try:
+        lib()
+        return True
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
+_pools: dict[int, int] = {}
+_pool_lock = threading.Lock()
+
+
+def thread_pool(n_threads: int) -> int:
+    """A ggml thread pool of ``n_threads`` (the calling thread is one of them), made once per process and count.
+    Its workers poll for the next graph a short while before sleeping, as llama.cpp's do between graphs."""
+    with _pool_lock:
+        if n_threads not in _pools:
+            params = lib().threadpool_params_default(n_threads)
+            _pools[n_threads] = lib().threadpool_new(C.byref(params))
+        return _pools[n_threads]
+
+
+class Builder:
+    """Records a ggml graph: weights (tensors over caller-owned memory), inputs and outputs (torch tensors bound
+    at each run) and the ops between them; :meth:`finish` turns it into a :class:`Graph`.
+
+    Shapes follow torch: an [S, K] row-major tensor is ggml's ne = (K, S).
+    """
+
+    def __init__(self, max_tensors: int = 64):
+        L = lib()
+        self.L = L
+        self.ctx = L.init(_InitParams(L.tensor_overhead() * max_tensors + L.graph_overhead_custom(max_tensors, False),
+                                      None, True))
+        self.max_tensors = max_tensors
+        self.keep: list = []                   # memory the weights point into
+        self.inputs: dict[str, int] = {}
+        self.temps: list[int] = []             # intermediates: placed in the graph's arena
+
+    def weight(self, data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> int:
+        """A tensor over ``data`` (C-contiguous bytes as ggml lays the type out), torch ``shape`` [N, K] or [K]."""
+        if not data.flags.c_contiguous:
+            raise ValueError("ggml weights must be C-contiguous")
+        ne = tuple(reversed(shape))
+        t = (self.L.new_tensor_1d(self.ctx, ggml_type, *ne) if len(ne) == 1
+             else self.L.new_tensor_2d(self.ctx, ggml_type, *ne))
+        if self.L.nbytes(t) != data.nbytes:
+            raise ValueError(f"ggml type {ggml_type} {shape} needs {self.L.nbytes(t)} bytes, got {data.nbytes}")
+        P.from_address(t + _DATA).value = data.ctypes.data
+        self.keep.append(data)
+        return t
+
+    def input(self, name: str, rows: int, cols: int, ggml_type: int = TYPE_F32) -> int:
+        """An input bound at run time to a contiguous torch tensor [rows, cols] (float32, or int32 for I32)."""
+        t = self.L.new_tensor_2d(self.ctx, ggml_type, cols, rows) if cols > 1 else \
+            self.L.new_tensor_1d(self.ctx, ggml_type, rows)
+        self.inputs[name] = t
+        return t
+
+    def _op(self, t: int) -> int:
+        self.temps.append(t)
+        return t
+
+    def mul_mat(self, w: int, x: int) -> int:
+        return self._op(self.L.mul_mat(self.ctx, w, x))
+
+    def add(self, a: int, b: int) -> int:
+        return self._op(self.L.add(self.ctx, a, b))
+
+    def mul(self, a: int, b: int) -> int:
+        return self._op(self.L.mul(self.ctx, a, b))
+
+    def silu(self, a: int) -> int:
+        return self._op(self.L.silu(self.ctx, a))
+
+    def rms_norm(self, x: int, w: int, eps: float) -> int:
+        """RMSNorm of each row times the weight ``w`` [cols], as llama.cpp's graph computes it."""
+        return self.mul(self._op(self.L.rms_norm(self.ctx, x, eps)), w)
+
+    def get_rows(self, table: int, ids: int) -> int:
+        return self._op(self.L.get_rows(self.ctx, table, ids))
+
+    def finish(self, outputs: dict[str, int], n_threads: int) -> "Graph":
+        """The graph computing ``outputs`` (each an op's result, written into a fresh torch tensor per run)."""
+        g = self.L.new_graph_custom(self.ctx, self.max_tensors, False)
+        for t in outputs.values():
+            self.L.build_forward_expand(g, t)
+        return Graph(self, g, outputs, n_threads)
+
+
+class Graph:
+    """A built ggml graph: :meth:`run` binds torch inputs, computes on the thread pool and returns the outputs.
+
+    Intermediates live in an arena of the graph's own (bytes: the sum of their sizes, 64-aligned); the plan's
+    work buffer (activations quantized to the weights' dot-product type) is the graph's too.
+    """
+
+    def __init__(self, b: Builder, g: int, outputs: dict[str, int], n_threads: int):
+        L = lib()
+        self._b, self._g, self.L = b, g, L
+        out_ids = set(outputs.values())
+        temps = [t for t in b.temps if t not in out_ids]
+        sizes = [-(-L.nbytes(t) // _ALIGN) * _ALIGN for t in temps]
+        self.arena = np.empty(max(sum(sizes), 1) + _ALIGN, np.uint8)
+        at = -(-self.arena.ctypes.data // _ALIGN) * _ALIGN
+        for t, n in zip(temps, sizes):
+            P.from_address(t + _DATA).value = at
+            at += n
+        self._in = {k: (P.from_address(t + _DATA), _Tensor.from_address(t)) for k, t in b.inputs.items()}
+        self._out = {k: (P.from_address(t + _DATA), tuple(reversed(_Tensor.from_address(t).ne[:2])))
+                     for k, t in outputs.items()}
+        self._plan = L.graph_plan(g, n_threads, thread_pool(n_threads))
+        self._work = np.empty(max(self._plan.work_size, 1), np.uint8)
+        self._plan.work_data = self._work.ctypes.data
+        self._plan_ref = C.byref(self._plan)
+
+    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Compute once. Inputs: contiguous CPU tensors of the declared shapes (float32; int32 for ids).
+
+        Returns:
+            {output name: [rows, cols] float32 tensor}.
+        Raises:
+            RuntimeError: ggml reported a failed compute.
+        """
+        for k, x in inputs.items():
+            slot, _ = self._in[k]
+            slot.value = x.data_ptr()
+        outs = {}
+        for k, (slot, (rows, cols)) in self._out.items():
+            y = torch.empty(rows, cols)
+            slot.value = y.data_ptr()
+            outs[k] = y
+        with _compute_lock:
+            status = self.L.graph_compute(self._g, self._plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed (status {status})")
+        return outs
+
+    def __del__(self):
+        try:
+            self.L.free(self._b.ctx)
+        except Exception:   # interpreter shutdown: the library may be gone already
+            pass
+
+
+# graphs share one thread pool per thread count: one compute at a time
+_compute_lock = threading.Lock()

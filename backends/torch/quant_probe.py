@@ -1,0 +1,122 @@
+"""``--quant auto`` on a CPU: ggml's kernels or torch's int4 kernel, whichever decodes this model faster here.
+
+Which is faster depends on the CPU: torch's int4 kernel computes in bf16, native on AVX512-BF16 and emulated on
+AVX2, while ggml's products are integer dot products on every x86 CPU and its graphs fold a layer's norms, SwiGLU
+and residuals into two calls (:mod:`.ggml_layers`). So it is measured, once per machine, on the model's own
+first :data:`PROBE_LAYERS` layers and head (the same tensor types and shapes the full model runs): a
+:data:`PROBE_CONTEXT`-token prompt, then decode steps of 1 row and of :data:`PROBE_BATCH` rows (what ``zoomr
+bench -np`` and rescue's batched candidates run), best of a few. The path with the faster one-row decode wins;
+both times are kept in ``quant_probe.json`` (:mod:`zoomr.backends.machine_cache`), keyed by CPU, torch and
+llama-cpp-python versions, threads and the model's layer shapes and tensor types.
+
+One path serves every row count of a loaded model: switching kernels by batch size would make a sequence's
+tokens depend on how many others share its forward (the two paths round differently), which ``zoomr bench -np``
+and rescue must not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zoomr.backends.machine_cache import cpu_name, lookup, store
+
+CACHE_FILE = "quant_probe.json"
+PROBE_LAYERS = 4
+PROBE_CONTEXT = 256
+PROBE_BATCH = 8
+_STEPS = 4
+_REPS = 3
+
+
+def _signature(path: Path) -> str:
+    from zoomr.backends.gguf_file import check_gguf
+
+    head = check_gguf(path)
+    # layer 0's tensors and the global ones (embedding, head): types and shapes, layer prefix dropped
+    return ",".join(sorted(f"{t.name.removeprefix('blk.0.')}:{t.ggml_type.name}:{'x'.join(map(str, t.shape))}"
+                           for t in head.tensors if t.name.startswith("blk.0.") or not t.name.startswith("blk.")))
+
+
+def _key(path: Path, threads: int) -> str:
+    import llama_cpp
+
+    cap = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "?"
+    return (f"{cpu_name()}|torch {torch.__version__}|{cap}|llama_cpp {llama_cpp.__version__}|threads {threads}|"
+            f"{_signature(path)}")
+
+
+def _decode_ms(model, rows: int) -> float:
+    """Best milliseconds of one decode step of ``rows`` sequences, each PROBE_CONTEXT tokens in."""
+    from zoomr.kvstore.base import FullKVCache
+
+    cfg = model.cfg
+    caches = [FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.device, model.kv_dtype)
+              for _ in range(rows)]
+    ids = torch.arange(100, 100 + PROBE_CONTEXT) % cfg.vocab
+    for c in caches:
+        model.forward(ids, torch.arange(PROBE_CONTEXT), c)
+    best = float("inf")
+    for rep in range(_REPS):
+        t = time.perf_counter()
+        for s in range(_STEPS):
+            pos = PROBE_CONTEXT + rep * _STEPS + s
+            model.forward_batch(torch.full((rows,), 7), torch.full((rows,), pos), [1] * rows, caches)
+        best = min(best, (time.perf_counter() - t) / _STEPS)
+    return best * 1e3
+
+
+def measure(path: Path, half: torch.dtype) -> dict[str, dict[str, float]]:
+    """Decode milliseconds per step of a cut-down model (first PROBE_LAYERS layers, the real head) for each path.
+
+    Args:
+        path: the GGUF file; half: the compute dtype the int4 path would run (``--dtype auto``'s pick).
+    Returns:
+        {"ggml": {"1": ms, "8": ms}, "int4": {...}}; a path that fails to build or run is left out.
+    """
+    from .model import Decoder
+    from .weights import load_gguf
+
+    out = {}
+    for name, quant, dtype, kw in (("ggml", "ggml", torch.float32, {"raw": True}),
+                                   ("int4", "auto", half, {"keep_blocks": True})):
+        try:
+            cfg, tensors, _ = load_gguf(path, layers=PROBE_LAYERS, **kw)
+            model = Decoder(cfg, tensors, torch.device("cpu"), dtype, quant=quant)
+            del tensors
+            out[name] = {str(r): round(_decode_ms(model, r), 3) for r in (1, PROBE_BATCH)}
+        except (OSError, RuntimeError, ValueError):
+            continue   # the path cannot run here: the other one is chosen
+    return out
+
+
+def pick(path: Path, half: torch.dtype) -> tuple[str, dict]:
+    """``ggml`` or ``auto`` (int4 blocks in ``half``) for ``--quant auto`` on this CPU and model: cached, else
+    measured (a few seconds) and cached. An unwritable cache only means measuring again next time.
+
+    Returns:
+        (mode, the probe's entry: {"quant", "ms": {path: {rows: ms}}}).
+    """
+    key = _key(path, torch.get_num_threads())
+    hit = lookup(CACHE_FILE, key)
+    if hit is not None and hit.get("quant") in ("ggml", "auto"):
+        return hit["quant"], hit
+    ms = measure(path, half)
+    if "ggml" in ms and ("int4" not in ms or ms["ggml"]["1"] <= ms["int4"]["1"]):
+        mode = "ggml"
+    else:
+        mode = "auto"
+    entry = {"quant": mode, "ms": ms}
+    store(CACHE_FILE, key, entry)
+    return mode, entry
+
+
+def reason(entry: dict) -> str:
+    """Why the probe chose as it did, for the model line: ``ggml 2.1 vs int4 4.0 ms/step``."""
+    ms = entry.get("ms", {})
+    if "ggml" in ms and "int4" in ms:
+        return f"one-row decode of {PROBE_LAYERS} layers + head: ggml {ms['ggml']['1']:.2f} vs int4 {ms['int4']['1']:.2f} ms"
+    return "the only path that ran here"
