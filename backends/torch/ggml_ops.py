@@ -230,7 +230,11 @@ class Graph:
         for t, n in zip(temps, sizes):
             P.from_address(t + _DATA).value = at
             at += n
-        self._in = {k: (P.from_address(t + _DATA), _Tensor.from_address(t)) for k, t in b.inputs.items()}
+        self._in = {}
+        for k, t in b.inputs.items():
+            s = _Tensor.from_address(t)
+            shape = (s.ne[1], s.ne[0]) if s.ne[1] > 1 or s.type != TYPE_I32 else (s.ne[0],)
+            self._in[k] = (P.from_address(t + _DATA), shape, torch.int32 if s.type == TYPE_I32 else torch.float32)
         self._out = {k: (P.from_address(t + _DATA), tuple(reversed(_Tensor.from_address(t).ne[:2])))
                      for k, t in outputs.items()}
         self._plan = L.graph_plan(g, n_threads, thread_pool(n_threads))
@@ -246,15 +250,17 @@ class Graph:
         Raises:
             RuntimeError: ggml reported a failed compute.
         """
-        for k, x in inputs.items():
-            slot, _ = self._in[k]
-            slot.value = x.data_ptr()
-        outs = {}
-        for k, (slot, (rows, cols)) in self._out.items():
-            y = torch.empty(rows, cols)
-            slot.value = y.data_ptr()
-            outs[k] = y
-        with _compute_lock:
+        outs = {k: torch.empty(rows, cols) for k, (_, (rows, cols)) in self._out.items()}
+        for k, x in inputs.items():   # ggml reads exactly the declared bytes: anything else would read past them
+            _, shape, dtype = self._in[k]
+            if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
+                raise ValueError(f"ggml graph input {k}: expected a contiguous CPU {dtype} tensor {shape}, got "
+                                 f"{x.dtype} {tuple(x.shape)}")
+        with _compute_lock:   # the pointers belong to this call until the compute ends
+            for k, x in inputs.items():
+                self._in[k][0].value = x.data_ptr()
+            for k, y in outs.items():
+                self._out[k][0].value = y.data_ptr()
             status = self.L.graph_compute(self._g, self._plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed (status {status})")

@@ -178,3 +178,13 @@ def test_hf_directories_are_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="not a GGUF file"):
         check_ggml("hf", torch.device("cpu"))
+
+
+def test_a_graph_refuses_inputs_it_would_read_past(raw_tensors):
+    _, tensors, _ = raw_tensors
+    lin = GgmlLinear([tensors["model.layers.0.self_attn.o_proj.weight"]], None, n_threads=1)
+    graph = lin._graphs(2)
+    for bad in (torch.randn(2, 575), torch.randn(2, 576, dtype=torch.float64), torch.randn(576, 2).T):
+        with pytest.raises(ValueError, match="ggml graph input x"):
+            graph.run(x=bad)
+    assert graph.run(x=torch.randn(2, 576))["y0"].shape == (2, 576)
