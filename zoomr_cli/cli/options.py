@@ -46,7 +46,7 @@ _OPTION_DECLS = {
                                 "int4, whichever decodes faster here, measured once; else the GGUF's Q4_0/Q4_1/Q5_0/"
                                 "Q5_1/Q8_0/Q4_K/Q5_K blocks kept in the int4 kernel, exact, Q6_K regrouped to 32; none "
                                 "for HF models and --dtype fp32), ggml (GGUF on CPU: the file's blocks in llama.cpp's "
-                                "ggml kernels, 8-bit activations, fp32; norms and MLP in ggml too), none, int8, int4 "
+                                "ggml kernels, 8-bit activations, fp32: refuses a half --dtype and --compile), none, int8, int4 "
                                 "(quantized at load), "
                                 "fp16 (fp16 weights, fp32 compute: fbgemm on x86 CPUs; most faithful of the compact "
                                 "forms; refuses a half --dtype), w8a8 (int8 weights and activations: fbgemm on x86 CPUs; "
