@@ -229,7 +229,8 @@ class Decoder:
         device: torch device.
         dtype: compute dtype (float32, bfloat16, float16).
         quant: ``--quant`` mode, resolved (``auto`` keeps blocks as int4 and floats dense; ``none``, ``int8``,
-            ``int4``: see :func:`~zoomr.backends.torch.quant.make_linear`).
+            ``int4``: see :func:`~zoomr.backends.torch.quant.make_linear`; ``ggml``: every 2-D tensor a
+            :class:`~zoomr.backends.torch.ggml_layers.RawWeight`, the layers' dense part in ggml graphs, fp32).
         kv_dtype: dtype of the KV cache and of attention (queries, keys, values, RoPE); None:
             :func:`default_kv_dtype`. The linears always run in ``dtype``.
         compile: decode steps run :func:`compiled_blocks` (``--compile``; compiled at their first call).
@@ -268,14 +269,13 @@ class Decoder:
         emb = tensors["model.embed_tokens.weight"]
         if ggml:
             self.embed = GgmlEmbedding(emb, threads)
-            head = tensors["model.embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"]
-            self.lm_head = GgmlLinear([head], None, threads)
         elif isinstance(emb, GroupQuant) and quant != "none":
             self.embed = QuantEmbedding(emb, device)  # exact rows, a quarter (Q8_0) of fp32's bytes
         else:
             self.embed = t("model.embed_tokens.weight")
-        if ggml:
-            pass
+        if ggml:   # a tied head reads the embedding's own bytes: one table in memory
+            head = tensors["model.embed_tokens.weight" if cfg.tied_embeddings else "lm_head.weight"]
+            self.lm_head = GgmlLinear([head], None, threads)
         elif cfg.tied_embeddings and isinstance(self.embed, torch.Tensor) and (
                 quant == "none" or (quant == "auto" and not isinstance(emb, GroupQuant))):
             self.lm_head = DenseLinear.sharing(self.embed)  # one table for lookup and head
