@@ -17,7 +17,7 @@ from zoomr.kvstore.base import FullKVCache, KVCache
 from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
 from .model import Decoder, default_kv_dtype
-from .ggml_layers import available as ggml_available
+from .ggml_ops import available as ggml_available
 from .quant import FP32_QUANT_MODES, check_quant, fp16_gemm_available
 from .w8a8 import available as w8a8_available
 from .weights import load_gguf, load_hf_dir

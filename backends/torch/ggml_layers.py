@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import ggml_ops
 from .ggml_ops import TYPE_F32, TYPE_I32, Builder, Graph
 
 _KEEP_SHAPES = 4   # row counts whose graphs stay built (decode 1, a batch size, the last prefill lengths)
@@ -237,9 +236,5 @@ class GgmlEmbedding:
         return self._graphs(ids.shape[0]).run(ids=ids.to(torch.int32).contiguous())["rows"]
 
     def nbytes(self) -> int:
+        """The table's bytes as the file holds them."""
         return self.table.data.nbytes
-
-
-def available() -> bool:
-    """``--quant ggml`` can run here: llama-cpp-python's ggml is loadable and laid out as expected."""
-    return ggml_ops.available()

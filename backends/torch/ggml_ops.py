@@ -186,15 +186,20 @@ class Builder:
         return t
 
     def mul_mat(self, w: int, x: int) -> int:
+        """``x @ wᵀ``: w [N, K] (any ggml type), x [S, K] float32 → [S, N] float32; x is quantized per row to
+        w's dot-product type inside (Q8_0/Q8_1/Q8_K for quantized w)."""
         return self._op(self.L.mul_mat(self.ctx, w, x))
 
     def add(self, a: int, b: int) -> int:
+        """``a + b``, a [S, N], b [S, N] or [N] (broadcast over rows) → [S, N]."""
         return self._op(self.L.add(self.ctx, a, b))
 
     def mul(self, a: int, b: int) -> int:
+        """``a · b`` elementwise, a [S, N], b [S, N] or [N] (broadcast over rows) → [S, N]."""
         return self._op(self.L.mul(self.ctx, a, b))
 
     def silu(self, a: int) -> int:
+        """``a · sigmoid(a)`` elementwise → a's shape."""
         return self._op(self.L.silu(self.ctx, a))
 
     def rms_norm(self, x: int, w: int, eps: float) -> int:
@@ -202,6 +207,7 @@ class Builder:
         return self.mul(self._op(self.L.rms_norm(self.ctx, x, eps)), w)
 
     def get_rows(self, table: int, ids: int) -> int:
+        """Rows ``ids`` ([T] int32) of ``table`` ([V, K], any ggml type), dequantized → [T, K] float32."""
         return self._op(self.L.get_rows(self.ctx, table, ids))
 
     def finish(self, outputs: dict[str, int], n_threads: int) -> "Graph":

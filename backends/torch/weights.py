@@ -233,27 +233,18 @@ def load_gguf(path: Path, keep_blocks: bool = False, raw: bool = False,
         block, type_size = gguf.GGML_QUANT_SIZES[t.ggml_type]
         rows = t.shape[:-1]
         raw_bytes = data[t.offset:t.offset + t.n_bytes].reshape(*rows, t.ne[0] // block * type_size)
-        if raw and len(rows) == 1:
-            w = RawWeight(raw_bytes, int(t.ggml_type), t.ggml_type.name, tuple(t.shape))
-            if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                w = w.take_rows(unpermute_qk(np.arange(w.shape[0]), cfg.n_heads if ".q_proj." in name
-                                             else cfg.n_kv_heads))
-            tensors[name] = w
-            continue
-        if keep_blocks and len(rows) == 1 and t.ggml_type.name in GGUF_BLOCK_TYPES:
-            q = from_gguf_blocks(raw_bytes, t.ggml_type.name)
-            if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads
-                q = q.take_rows(unpermute_qk(np.arange(q.shape[0]), heads))
-            tensors[name] = q
+        # a llama file's Q/K rows are in llama.cpp's interleaved RoPE order: every form is put back in HF order
+        heads = (cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads) if cfg.arch == "llama" and (
+            ".q_proj." in name or ".k_proj." in name) else None
+        if (raw and len(rows) == 1) or (keep_blocks and len(rows) == 1 and t.ggml_type.name in GGUF_BLOCK_TYPES):
+            w = (RawWeight(raw_bytes, int(t.ggml_type), t.ggml_type.name, tuple(t.shape)) if raw
+                 else from_gguf_blocks(raw_bytes, t.ggml_type.name))
+            tensors[name] = w if heads is None else w.take_rows(unpermute_qk(np.arange(w.shape[0]), heads))
             continue
         arr = gguf.quants.dequantize(raw_bytes, t.ggml_type)
         # F32 tensors come back as read-only views of the memory-mapped file: copy those
         arr = np.require(arr, np.float32, ["C", "W"]).reshape(t.shape)
-        if cfg.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = cfg.n_heads if ".q_proj." in name else cfg.n_kv_heads
-            arr = unpermute_qk(arr, heads)
-        tensors[name] = arr
+        tensors[name] = arr if heads is None else unpermute_qk(arr, heads)
     del data
     meta = {"chat_template": head.get("tokenizer.chat_template")}
     return cfg, tensors, meta

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from zoomr.backends.torch import ggml_layers, quant_probe
+from zoomr.backends.torch import ggml_ops, quant_probe
 from zoomr.backends.torch.ggml_layers import GgmlLinear, RawWeight
 from zoomr.backends.torch.weights import load_gguf
 from zoomr.evaluation.parity import agreement, llamacpp_logits
 
 from conftest import assert_one_line_error, zoomr
 
-pytestmark = pytest.mark.skipif(not ggml_layers.available(), reason="llama-cpp-python's ggml cannot be loaded here")
+pytestmark = pytest.mark.skipif(not ggml_ops.available(), reason="llama-cpp-python's ggml cannot be loaded here")
 
 
 @pytest.fixture(scope="module")
