@@ -14,6 +14,9 @@ from zoomr.evaluation.datasets import load_problems
 from zoomr.evaluation.records import record_differences
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+# the two tests on the ``runs`` fixture share one xdist worker: apart (pytest -n with --dist loadgroup), each
+# worker ran both benches of the module fixture, ~40 s more on a 2-core host
+SHARES_RUNS = pytest.mark.xdist_group("bench_parallel_runs")
 
 
 def _problems_file(tmp_path) -> str:
@@ -53,6 +56,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@SHARES_RUNS
 def test_parallel_records_equal_sequential(runs):
     _, out = runs
     one = _keyed(out[1])
@@ -70,6 +74,7 @@ def test_parallel_records_equal_sequential(runs):
 
 
 @pytest.mark.slow
+@SHARES_RUNS
 def test_resume_after_parallel_run_in_any_order(runs, tmp_path):
     data, out = runs
     part = tmp_path / "part"
