@@ -1,6 +1,6 @@
 """``zoomr bench --ray``: the same records as a local run, every cell once when a worker dies, ``--resume`` after
-the driver dies, and bad input refused in one line (each test starts its own 2-CPU local Ray, as CI has no
-cluster)."""
+the driver dies, and bad input refused in one line (CI has no cluster: the in-process benches share one 2-CPU
+local Ray started by the ``ray_cluster`` fixture, each ``zoomr`` subprocess starts its own with ``--ray auto``)."""
 
 import json
 import os
@@ -48,8 +48,23 @@ def local(tmp_path_factory):
     return _records(out)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray instance (2 CPUs, no dashboard) for this module's in-process Ray benches: a bench run after
+    the caller's own ``ray.init`` uses that Ray as it is and leaves it running (``RayBench.start``), so they
+    start Ray once, not once each (about 4.5 s of start and shutdown per bench on a 2-core host)."""
+    import logging
+
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.mark.slow
-def test_ray_records_equal_a_local_run_and_name_their_worker(tmp_path, local):
+def test_ray_records_equal_a_local_run_and_name_their_worker(tmp_path, local, ray_cluster):
     events = []
     out = tmp_path / "ray"
     result = zoomr.bench(**SETTINGS, limit=3, out=out, ray="auto", ray_workers=2, n_parallel=2,
@@ -66,12 +81,13 @@ def test_ray_records_equal_a_local_run_and_name_their_worker(tmp_path, local):
     started = next(e for e in events if isinstance(e, ev.BenchStarted))
     assert started.model.endswith("· 2 Ray workers")
     assert sum(isinstance(e, ev.Info) and e.text.startswith("ray worker ") for e in events) == 2
+    assert ray_cluster.is_initialized()   # a caller's own Ray is left running
 
 
 @pytest.mark.slow
-def test_matched_budget_cells_on_ray_equal_a_local_run(tmp_path):
+def test_matched_budget_cells_on_ray_equal_a_local_run(tmp_path, ray_cluster):
     # matched cells need their problem's full-KV reference and ZoomR's record: they stay on one worker
-    settings = {"policies": ["full", "rkv", "zoomr"], "match_budget": True, "limit": 2, "n_predict": 48,
+    settings = {"policies": ["full", "rkv", "zoomr"], "match_budget": True, "limit": 2, "n_predict": 24,
                 "dtype": "fp32", "threads": 1, "segment_tokens": 16, "window": 8}
     zoomr.bench(**settings, out=tmp_path / "local")
     zoomr.bench(**settings, out=tmp_path / "ray", ray="auto", ray_workers=2)
@@ -81,7 +97,7 @@ def test_matched_budget_cells_on_ray_equal_a_local_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_worker_has_its_cells_rerun_elsewhere_and_none_twice(tmp_path, local):
+def test_a_killed_worker_has_its_cells_rerun_elsewhere_and_none_twice(tmp_path, local, ray_cluster):
     killed, events = [], []
 
     def kill_first_worker(rec):
