@@ -7,6 +7,9 @@ from zoomr.evaluation.parity import agreement as logit_agreement
 from zoomr.evaluation.parity import gsm8k_text_ids, llamacpp_logits
 
 N_TOKENS = 512
+# one xdist worker runs the module: llama.cpp's reference logits (module fixture, ~7 s) are then computed once,
+# not once per worker that got one of its tests
+pytestmark = pytest.mark.xdist_group("parity_llamacpp")
 
 
 @pytest.fixture(scope="module")
