@@ -43,6 +43,8 @@ def test_three_problem_bench_writes_everything(tmp_path):
         assert rec["mean_active_tokens"] <= rec["peak_active_tokens"] and rec["n_boxed_distinct"] >= 0
     prov = json.loads((out / "config.json").read_text())["provenance"]
     assert len(prov["model_sha256"]) == 64 and prov["packages"]["torch"]
+    # the model line as the run printed it: what --quant/--dtype auto resolved to here
+    assert prov["model_line"].startswith("smollm2-135m · ") and prov["model_line"] in r.stdout + r.stderr
 
 
 @pytest.mark.slow

@@ -179,7 +179,9 @@ def _load(plan: BenchPlan, left: list[Problem], cluster: RayBench | None, emit):
     else:
         models = load_models(plan, left, emit)
         describe, provenance = models.base.describe_model(), run_provenance(models.base.source.path)
-    check_provenance(plan.config, provenance)
+    # the model line says what "auto" resolved to on this machine (--quant auto → ggml or int4, the dtype): the
+    # settings alone do not say which kernels produced the records
+    check_provenance(plan.config, {**provenance, "model_line": describe})
     return models, describe, workers
 
 
