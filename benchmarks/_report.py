@@ -26,13 +26,16 @@ def write_json(record: dict, dest: str | None) -> None:
 
 def engine_parser(description: str) -> argparse.ArgumentParser:
     """A parser with the flags every torch-vs-llama.cpp benchmark takes: -m, -t (default 2), --device, --dtype,
-    --quant (the torch backend's ``--quant``; default none: dense weights in ``--dtype``)."""
+    --quant (the torch backend's ``--quant``). --dtype and --quant default to ``auto``, as zoomr's CLI does, so a
+    benchmark run without them measures what a user gets; ``--dtype fp32 --quant none`` is the dense fp32
+    reference (greedy records equal to the last bit, the batched oneDNN path)."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("-m", "--model", default=None, help="GGUF file (default: the embedded model)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32", help="torch dtype: fp32, bf16")
-    ap.add_argument("--quant", default="none", help="torch weights: none, auto, int4, int8, fp16, w8a8")
+    ap.add_argument("--dtype", default="auto", help="torch dtype: auto (the CLI's default), fp32, bf16")
+    ap.add_argument("--quant", default="auto",
+                    help="torch weights: auto (the CLI's default), none, ggml, int4, int8, fp16, w8a8")
     return ap
 
 
