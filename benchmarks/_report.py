@@ -41,11 +41,12 @@ def engine_parser(description: str) -> argparse.ArgumentParser:
 
 def zoomr_bench(args, extra: list[str], out: Path, label: str) -> float:
     """Seconds one ``zoomr bench`` process takes (model load included) on ``args``' cells (``--limit``, ``-n``,
-    ``--policies``, ``--budget`` and the engine flags) plus ``extra`` flags, writing to ``out``.
+    ``--policies``, ``--budget`` where one of the policies reads it, and the engine flags) plus ``extra`` flags,
+    writing to ``out``.
 
     Exits (naming ``label``) when the bench fails."""
     cmd = [sys.executable, "-m", "zoomr", "bench", "--dataset", "gsm8k", "--limit", str(args.limit),
-           "-n", str(args.n_predict), "--policies", args.policies, "--budget", str(args.budget),
+           "-n", str(args.n_predict), "--policies", args.policies, *budget_flag(args),
            "--device", args.device, "--dtype", args.dtype, "--quant", args.quant, "--no-live",
            "--out", str(out)] + (["-m", args.model] if args.model else []) + extra
     t = time.perf_counter()
@@ -74,35 +75,49 @@ def bench_pair_parser(description: str, *, n_predict: int, parallel: int, budget
     return ap
 
 
-def run_bench_pair(args, runs: dict[str, list[str]]) -> tuple[dict[str, float], dict[str, list[dict]], float]:
+def budget_flag(args) -> list[str]:
+    """``--budget B`` when one of ``args.policies`` reads a budget (bench refuses it otherwise), else nothing."""
+    from zoomr.kvstore.registry import knob_flags
+
+    readers = knob_flags()["budget"].readers
+    return ["--budget", str(args.budget)] if any(p in readers for p in args.policies.split(",")) else []
+
+
+def run_bench_pair(args, runs: dict[str, list[str]]) -> tuple[dict[str, float], dict[str, list[dict]], float, dict]:
     """Run one ``zoomr bench`` process per entry of ``runs`` ({label: its extra flags}) on ``args``' cells, one
     after another, each into a temporary folder.
 
     Returns:
-        ({label: wall seconds}, {label: its records}, the 1-minute load average before the first).
+        ({label: wall seconds}, {label: its records}, the 1-minute load average before the first,
+        {label: its model line}: what ``--dtype``/``--quant auto`` resolved to, from its ``config.json``).
     """
     load_before = os.getloadavg()[0]
-    walls, records = {}, {}
+    walls, records, lines = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, extra) in enumerate(runs.items()):
             out = Path(tmp) / f"run{i}"
             walls[label] = zoomr_bench(args, extra, out, label)
             records[label] = bench_records(out)
-    return walls, records, load_before
+            lines[label] = json.loads((out / "config.json").read_text())["provenance"].get("model_line")
+    return walls, records, load_before, lines
 
 
-def report_pair(args, first: list[dict], second: list[dict], load_before: float, fields: dict, line: str) -> dict:
-    """Report a two-way bench script's run: the record (both runs' shared settings, whether their records agree
-    by ``zoomr.evaluation.records.record_differences`` with the first 10 differences, the machine's load,
-    plus the script's ``fields``) to ``--json``, and ``line`` with the agreement and cell count on stderr."""
+def report_pair(args, first: list[dict], second: list[dict], load_before: float, fields: dict, line: str,
+                model_lines: dict) -> dict:
+    """Report a two-way bench script's run: the record (both runs' shared settings, their model lines, whether
+    their records agree by ``zoomr.evaluation.records.record_differences`` with the first 10 differences, the
+    machine's load, plus the script's ``fields``) to ``--json``, and on stderr the first run's model line, then
+    ``line`` with the agreement and cell count."""
     from zoomr.evaluation.records import record_differences
 
     diffs = record_differences(first, second)
     record = {"limit": args.limit, "n_predict": args.n_predict, "policies": args.policies, "budget": args.budget,
-              "device": args.device, "dtype": args.dtype, "quant": args.quant, "parallel": args.parallel,
+              "device": args.device, "dtype": args.dtype, "quant": args.quant, "model_lines": model_lines,
+              "parallel": args.parallel,
               "cells": len(first), "records_equal": not diffs, "differences": diffs[:10],
               "generated_tokens": sum(r["tokens_generated"] for r in first),
               "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)], **fields}
+    print(next(iter(model_lines.values())), file=sys.stderr)
     print(f"{line} · records {'equal' if not diffs else 'DIFFER'} · {len(first)} cells, load "
           f"{record['load_avg_1min']}", file=sys.stderr)
     write_json(record, args.json)

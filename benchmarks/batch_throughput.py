@@ -13,7 +13,7 @@ as rescue's candidates), whose shared prompt ``--attention cascade`` attends as 
 The issue's CPU targets: batch 8 ≥ 4× batch 1 for full KV, ≥ 3× for rkv and zoomr. Ratios come from one
 run in one process; on a shared machine the absolute numbers move with the load (recorded in the JSON).
 
-    python benchmarks/batch_throughput.py [-t 2] [--dtype fp32] [--quant none|fp16|w8a8] [--batches 1 2 4 8 16] [--steps 16]
+    python benchmarks/batch_throughput.py [-t 2] [--dtype auto|fp32|bf16] [--quant auto|none|ggml|int4|fp16|w8a8] [--batches 1 2 4 8 16] [--steps 16]
         [--warmup 2] [--policies full rkv zoomr zoomr-w64] [--attention per_seq padded cascade] [--shared-prompt]
         [--no-llamacpp] [--json out.json|-]
 
@@ -61,6 +61,8 @@ def torch_rows(args, source) -> list[dict]:
 
     base = TorchBackend(source, device=args.device, dtype=args.dtype, n_ctx=4096, threads=args.threads,
                         quant=args.quant)
+    model_line = base.describe_model()   # what --dtype/--quant auto resolved to
+    print(model_line, file=sys.stderr)
     specs = {"full": None, "rkv": PolicySpec("rkv", 64), "zoomr": PolicySpec("zoomr"), "h2o": PolicySpec("h2o", 64),
              "snapkv": PolicySpec("snapkv", 64), "streaming": PolicySpec("streaming", 64), "sumr": PolicySpec("sumr"),
              # ZoomR that selects within a short run: the default window (512) holds these runs whole, so plain
@@ -97,7 +99,8 @@ def torch_rows(args, source) -> list[dict]:
                     return be.forward_batch(ss, [[t] for t in tok], attention=attention)
 
                 sec = decode_steps(step, seqs, first[:B], args.steps, args.warmup)
-                row = {"engine": "torch", "dtype": args.dtype, "quant": args.quant, "policy": policy,
+                row = {"engine": "torch", "dtype": args.dtype, "quant": args.quant, "model_line": model_line,
+                       "policy": policy,
                        "attention": attention, "batch": B,
                        "decode_tok_s": B * args.steps / sec,
                        "attended_max": max(s.cache.stats().active_tokens for s in seqs),

@@ -19,14 +19,14 @@ from _report import bench_pair_parser, report_pair, run_bench_pair  # benchmarks
 def main() -> None:
     ap = bench_pair_parser(__doc__.split("\n")[0], n_predict=128, parallel=8, budget=64)
     args = ap.parse_args()
-    walls, recs, load_before = run_bench_pair(args, {f"-np {n}": ["-t", str(args.threads), "-np", str(n)]
+    walls, recs, load_before, model_lines = run_bench_pair(args, {f"-np {n}": ["-t", str(args.threads), "-np", str(n)]
                                                      for n in (1, args.parallel)})
     (a, wall1), (b, wall_n) = walls.items()
     ratio = round(wall1 / wall_n, 2)
     report_pair(args, recs[a], recs[b], load_before,
                 {"threads": args.threads, "wall_s_np1": round(wall1, 2),
                  f"wall_s_np{args.parallel}": round(wall_n, 2), "ratio": ratio},
-                f"-np 1: {wall1:.1f} s · -np {args.parallel}: {wall_n:.1f} s · ratio {ratio:.2f}×")
+                f"-np 1: {wall1:.1f} s · -np {args.parallel}: {wall_n:.1f} s · ratio {ratio:.2f}×", model_lines)
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="Ray workers")
     args = ap.parse_args()
     per_worker = max(1, args.threads // args.workers)
-    walls, recs, load_before = run_bench_pair(args, {
+    walls, recs, load_before, model_lines = run_bench_pair(args, {
         "local": ["-t", str(args.threads), "-np", str(args.parallel)],
         "--ray auto": ["-t", str(per_worker), "-np", str(args.parallel), "--ray", "auto", "--ray-workers",
                        str(args.workers)]})
@@ -37,7 +37,7 @@ def main() -> None:
                  "wall_s_local": round(wall_local, 2), "wall_s_ray": round(wall_ray, 2),
                  "ratio_local_over_ray": ratio},
                 f"local -t {args.threads} -np {args.parallel}: {wall_local:.1f} s · --ray auto, {args.workers} "
-                f"workers × -t {per_worker}: {wall_ray:.1f} s · local/ray {ratio:.2f}×")
+                f"workers × -t {per_worker}: {wall_ray:.1f} s · local/ray {ratio:.2f}×", model_lines)
 
 if __name__ == "__main__":
     main()
