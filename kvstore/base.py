@@ -120,6 +120,12 @@ class FullKVCache:
                 grown[:, :own] = store[layer][:, :own]
             store[layer] = grown
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` positions in every layer's own buffers ``k[layer]``, ``v[layer]`` ([Hkv, capacity, d]),
+        for a writer that stores the new tokens itself (:class:`zoomr.backends.torch.ggml_decode.DecodeGraph`)."""
+        for layer in range(self.shape[0]):
+            self._grow(layer, n - self.frozen)
+
     def update_parts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Store the T new tokens of ``layer``; return what attention reads as parts in position order.

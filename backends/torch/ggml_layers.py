@@ -2,13 +2,14 @@
 
 Per layer, two ggml graphs do everything but attention, the same ops in the same order as llama.cpp's graph:
 
-- :meth:`GgmlLayer.norm_qkv`: RMSNorm × weight, then the Q, K and V projections (+ bias), [S, hidden] →
-  [S, (H + 2·Hkv)·d];
+- :meth:`GgmlLayer.norm_qkv`: RMSNorm × weight, the Q, K and V projections (+ bias), the per-head q/k RMSNorm
+  (Qwen3) and RoPE, [S, hidden] → q [H, S, d], k and v [Hkv, S, d];
 - :meth:`GgmlLayer.out_mlp`: the output projection and residual, RMSNorm × weight, ``silu(gate) · up``, the down
-  projection and residual, [S, hidden] and [S, H·d] → [S, hidden].
+  projection and residual, [S, hidden] and [S, H·d] → [S, hidden] (and the next layer's q, k, v).
 
-RoPE, the KV cache and attention (where KV policies and ZoomR's selection act) stay in torch, between the two.
-The token embedding is ggml's ``get_rows`` and the LM head a ggml ``mul_mat`` (:class:`GgmlLinear`). Weights are
+The KV cache and attention (where KV policies and ZoomR's selection act) stay in torch, between the two; a
+decode step over a plain full cache runs as one graph instead (:mod:`.ggml_decode`). The token embedding is
+ggml's ``get_rows``, the final RMSNorm and LM head a ggml graph (:class:`GgmlHead`). Weights are
 the file's bytes (a llama file's Q/K rows reordered to rotate-half order, a copy of those two); each product
 quantizes its activation rows to the weight type's dot-product partner (Q8_0, Q8_1, Q8_K) per row, so a row's
 result does not depend on its batch-mates. Activations and results are fp32.
@@ -147,45 +148,100 @@ class GgmlLinear:
         return sum(p.data.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.nbytes)
 
 
+@dataclass(frozen=True)
+class Heads:
+    """What the ggml graphs need to split the fused QKV product into heads and rotate q and k.
+
+    Attributes:
+        n_heads, n_kv_heads, head_dim: H, Hkv, d.
+        rope_base: RoPE θ; freq_factors: [d/2] float32 divisors of each pair's frequency (RoPE scalings and GGUF
+            ``rope_freqs`` folded into one, see :func:`rope_divisors`) or None.
+        qk_norm: [H + Hkv, d] float32 per-head q/k RMSNorm weights (Qwen3) or None; eps: their epsilon.
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    freq_factors: np.ndarray | None = None
+    qk_norm: np.ndarray | None = None
+    eps: float = 1e-6
+
+
+def rope_divisors(inv_freq: np.ndarray, base: float) -> np.ndarray | None:
+    """ggml's ``freq_factors`` for a model whose pair i turns at ``inv_freq[i]`` (float64 [d/2]): ggml turns pair
+    i at ``base^(-2i/d) / freq_factors[i]``. None where the two agree (plain RoPE: ggml's own arithmetic)."""
+    d = 2 * len(inv_freq)
+    plain = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ratio = plain / inv_freq
+    return None if np.allclose(ratio, 1.0, rtol=0, atol=1e-12) else ratio.astype(np.float32)
+
+
+def qkv_heads(b: Builder, qkv: int, rows: int, heads: Heads, pos: int) -> int:
+    """The fused QKV product (ggml (n_qkv, S)) → q and k rotated, ggml (d, H + Hkv, S): the per-head RMSNorm
+    where the model has one, then RoPE, as llama.cpp's graph does."""
+    H, Hkv, d = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    qk = b.view3(b.reshape(qkv, d, H + 2 * Hkv, rows), (d, H + Hkv, rows), d * 4, (H + 2 * Hkv) * d * 4)
+    if heads.qk_norm is not None:
+        qk = b.rms_norm(qk, b.weight(heads.qk_norm, TYPE_F32, heads.qk_norm.shape), heads.eps)
+    ff = heads.freq_factors
+    return b.rope(qk, pos, None if ff is None else b.weight(ff, TYPE_F32, ff.shape), d, heads.rope_base)
+
+
 class GgmlLayer:
     """One decoder layer's dense part in two ggml graphs (see the module docstring).
 
     Args:
         qkv, o, down: the projections (:class:`GgmlLinear`); gate_up: gate and up, unfused (two products);
-        attn_norm, mlp_norm: [hidden] float32; eps: RMSNorm epsilon; n_threads: ggml threads.
+        attn_norm, mlp_norm: [hidden] float32; eps: RMSNorm epsilon; heads: head split and RoPE;
+        n_threads: ggml threads.
     """
 
     def __init__(self, qkv: GgmlLinear, o: GgmlLinear, gate_up: GgmlLinear, down: GgmlLinear,
-                 attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: float, n_threads: int):
+                 attn_norm: np.ndarray, mlp_norm: np.ndarray, eps: float, heads: Heads, n_threads: int):
         if len(gate_up.parts) != 2:
             raise ValueError("the ggml layer takes gate and up as two separate products")
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.attn_norm, self.mlp_norm, self.eps, self.n_threads = _f32(attn_norm), _f32(mlp_norm), eps, n_threads
+        self.heads = heads
         self.hidden = o.shape[0]
         # the next layer: its RMSNorm and QKV join this layer's out_mlp graph (one ggml call per layer, not two)
         self.next: GgmlLayer | None = None
-        self._pending: tuple[torch.Tensor, list[torch.Tensor]] | None = None   # (residual, its QKV), from the last
+        self._pending: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None   # (residual, its QKV), from the last
         self._in = _GraphCache(self._build_in)
         self._out = _GraphCache(self._build_out)
 
     def _norm(self, b: Builder, x: int, w: np.ndarray) -> int:
         return b.rms_norm(x, b.weight(w, TYPE_F32, w.shape), self.eps)
 
-    def _qkv(self, b: Builder, x: int) -> dict[str, int]:
-        return {f"y{i}": y for i, y in enumerate(self.qkv.project(b, self._norm(b, x, self.attn_norm)))}
+    def qkv_product(self, b: Builder, x: int) -> int:
+        """The graph's ops from the residual ``x`` (ggml (hidden, S)) to the fused QKV product (n_qkv, S)."""
+        ys = self.qkv.project(b, self._norm(b, x, self.attn_norm))
+        qkv = ys[0]
+        for y in ys[1:]:   # Q, K and V of different types (a K-quant mix): one product each, joined
+            qkv = b.concat(qkv, y)
+        return qkv
+
+    def _qkv(self, b: Builder, x: int, pos: int, rows: int) -> dict:
+        qkv = self.qkv_product(b, x)
+        return {"qkv": qkv, "qk": (qkv_heads(b, qkv, rows, self.heads, pos), 3)}
 
     def _build_in(self, rows: int) -> Graph:
         b = Builder()
-        return b.finish(self._qkv(b, b.input("x", rows, self.hidden)), self.n_threads)
+        return b.finish(self._qkv(b, b.input("x", rows, self.hidden), b.input("pos", rows, 1, TYPE_I32), rows),
+                        self.n_threads)
+
+    def mlp(self, b: Builder, x: int, o: int) -> int:
+        """The graph's ops from the attention output ``o`` (ggml (H·d, S)) and residual ``x`` to the next residual."""
+        h = b.add(x, self._one(self.o.project(b, o)))
+        n = self._norm(b, h, self.mlp_norm)
+        gate, up = self.gate_up.project(b, n)
+        return b.add(h, self._one(self.down.project(b, b.mul(b.silu(gate), up))))
 
     def _build_out(self, rows: int) -> Graph:
         b = Builder(96)
-        x = b.input("x", rows, self.hidden)
-        h = b.add(x, self._one(self.o.project(b, b.input("o", rows, self.o.shape[1]))))
-        n = self._norm(b, h, self.mlp_norm)
-        gate, up = self.gate_up.project(b, n)
-        out = b.add(h, self._one(self.down.project(b, b.mul(b.silu(gate), up))))
-        nxt = {} if self.next is None else self.next._qkv(b, out)
+        out = self.mlp(b, b.input("x", rows, self.hidden), b.input("o", rows, self.o.shape[1]))
+        nxt = {} if self.next is None else self.next._qkv(b, out, b.input("pos", rows, 1, TYPE_I32), rows)
         return b.finish({"x": out, **nxt}, self.n_threads)
 
     @staticmethod
@@ -194,24 +250,58 @@ class GgmlLayer:
             raise ValueError("a single-tensor projection gave several products")
         return ys[0]
 
-    def norm_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [S, hidden] float32 residual → [S, (H + 2·Hkv)·d] float32 (RMSNorm, then Q, K, V). Where the layer
-        before computed them with its :meth:`out_mlp` from this very ``x``, those are returned."""
+    def _split(self, ys: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        H, Hkv, d = self.heads.n_heads, self.heads.n_kv_heads, self.heads.head_dim
+        qk = ys["qk"].transpose(0, 1)
+        S = qk.shape[1]
+        return qk[:H], qk[H:], ys["qkv"][:, (H + Hkv) * d:].view(S, Hkv, d).transpose(0, 1)
+
+    def norm_qkv(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [S, hidden] float32 residual, pos [S] int32 positions → q [H, S, d], k [Hkv, S, d] (rotated) and
+        v [Hkv, S, d], float32. Where the layer before computed them with its :meth:`out_mlp` from this very
+        ``x``, those are returned."""
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] is x:
-            ys = pending[1]
-        else:
-            ys = list(self._in(x.shape[0]).run(x=x.contiguous()).values())
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+            return self._split(pending[1])
+        return self._split(self._in(x.shape[0]).run(x=x.contiguous(), pos=pos))
 
-    def out_mlp(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """x [S, hidden] residual, o [S, H·d] attention output (float32) → the next residual [S, hidden]; the next
-        layer's QKV of it are computed in the same graph and handed to that layer's :meth:`norm_qkv`."""
-        ys = self._out(x.shape[0]).run(x=x.contiguous(), o=o.float().contiguous())
+    def out_mlp(self, x: torch.Tensor, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] residual, o [S, H·d] attention output (float32), pos [S] int32 → the next residual
+        [S, hidden]; the next layer's q, k, v of it are computed in the same graph and handed to that layer's
+        :meth:`norm_qkv`."""
+        inputs = {"x": x.contiguous(), "o": o.float().contiguous()}
+        if self.next is not None:
+            inputs["pos"] = pos
+        ys = self._out(x.shape[0]).run(**inputs)
         out = ys.pop("x")
         if self.next is not None:
-            self.next._pending = (out, list(ys.values()))
+            self.next._pending = (out, ys)
         return out
+
+
+class GgmlHead:
+    """The final RMSNorm and the LM head in one ggml graph: residual [S, hidden] → logits [S, vocab] float32.
+
+    Args:
+        norm: [hidden] float32 RMSNorm weight; eps: its epsilon; head: the LM head's product; n_threads: ggml threads.
+    """
+
+    def __init__(self, norm: np.ndarray, eps: float, head: GgmlLinear, n_threads: int):
+        self.norm, self.eps, self.head, self.n_threads = _f32(norm), eps, head, n_threads
+        self._graphs = _GraphCache(self._build)
+
+    def build(self, b: Builder, x: int) -> int:
+        """The graph's ops from the residual ``x`` (ggml (hidden, S)) to the logits (vocab, S)."""
+        return GgmlLayer._one(self.head.project(b, b.rms_norm(x, b.weight(self.norm, TYPE_F32, self.norm.shape),
+                                                                self.eps)))
+
+    def _build(self, rows: int) -> Graph:
+        b = Builder()
+        return b.finish({"logits": self.build(b, b.input("x", rows, self.norm.shape[0]))}, self.n_threads)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, hidden] float32 residual → [S, vocab] float32 logits."""
+        return self._graphs(x.shape[0]).run(x=x.contiguous())["logits"]
 
 
 class GgmlEmbedding:

@@ -30,6 +30,7 @@ import torch
 
 P = C.c_void_p
 TYPE_F32, TYPE_I32 = 0, 26
+ROPE_NEOX = 2   # GGML_ROPE_TYPE_NEOX: rotate-half pairs (i, i + d/2)
 _ALIGN = 64
 
 
@@ -78,6 +79,14 @@ class _Lib:
             (base, "ggml_init"): ([_InitParams], P), (base, "ggml_free"): ([P], None),
             (base, "ggml_new_tensor_1d"): ([P, C.c_int, C.c_int64], P),
             (base, "ggml_new_tensor_2d"): ([P, C.c_int, C.c_int64, C.c_int64], P),
+            (base, "ggml_new_tensor_3d"): ([P, C.c_int, C.c_int64, C.c_int64, C.c_int64], P),
+            (base, "ggml_reshape_2d"): ([P, P, C.c_int64, C.c_int64], P),
+            (base, "ggml_reshape_3d"): ([P, P, C.c_int64, C.c_int64, C.c_int64], P),
+            (base, "ggml_view_3d"): ([P, P, C.c_int64, C.c_int64, C.c_int64, C.c_size_t, C.c_size_t, C.c_size_t], P),
+            (base, "ggml_permute"): ([P, P, C.c_int, C.c_int, C.c_int, C.c_int], P),
+            (base, "ggml_cpy"): ([P, P, P], P), (base, "ggml_concat"): ([P, P, P, C.c_int], P),
+            (base, "ggml_rope_ext"): ([P, P, P, P, C.c_int, C.c_int, C.c_int] + [C.c_float] * 6, P),
+            (base, "ggml_flash_attn_ext"): ([P, P, P, P, P, C.c_float, C.c_float, C.c_float], P),
             (base, "ggml_mul_mat"): ([P, P, P], P), (base, "ggml_add"): ([P, P, P], P),
             (base, "ggml_mul"): ([P, P, P], P), (base, "ggml_silu"): ([P, P], P),
             (base, "ggml_rms_norm"): ([P, P, C.c_float], P), (base, "ggml_get_rows"): ([P, P, P], P),
@@ -104,8 +113,11 @@ class _Lib:
         try:
             t = self.new_tensor_2d(ctx, TYPE_F32, 3, 2)
             s = _Tensor.from_address(t)
+            # a view: where its source and offset sit (views of the KV cache are re-pointed per step)
+            v = _Tensor.from_address(self.view_3d(ctx, t, 3, 1, 1, 12, 12, 12))
             if (s.data != self.get_data(t) or list(s.ne) != [3, 2, 1, 1] or s.nb[1] != 12
-                    or self.nbytes(t) != 24 or s.type != TYPE_F32):
+                    or self.nbytes(t) != 24 or s.type != TYPE_F32 or v.view_src != t or v.view_offs != 12
+                    or v.data != s.data + 12 or list(v.ne) != [3, 1, 1, 1]):
                 raise OSError("struct ggml_tensor in this llama-cpp-python build differs from the layout zoomr reads")
         finally:
             self.free(ctx)
@@ -159,7 +171,8 @@ class Builder:
         self.max_tensors = max_tensors
         self.keep: list = []                   # memory the weights point into
         self.inputs: dict[str, int] = {}
-        self.temps: list[int] = []             # intermediates: placed in the graph's arena
+        self.temps: list[int] = []             # intermediates: placed in the graph's arena (views alias)
+        self.order: list[int] = []             # copies into external memory, expanded first
 
     def weight(self, data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> int:
         """A tensor over ``data`` (C-contiguous bytes as ggml lays the type out), torch ``shape`` [N, K] or [K]."""
@@ -210,11 +223,54 @@ class Builder:
         """Rows ``ids`` ([T] int32) of ``table`` ([V, K], any ggml type), dequantized → [T, K] float32."""
         return self._op(self.L.get_rows(self.ctx, table, ids))
 
-    def finish(self, outputs: dict[str, int], n_threads: int) -> "Graph":
-        """The graph computing ``outputs`` (each an op's result, written into a fresh torch tensor per run)."""
+    def external(self, ne: tuple[int, int, int]) -> int:
+        """A float32 tensor of ggml shape ``ne`` over memory the caller points it at before each run
+        (:meth:`Graph.point`): a KV-cache buffer. Views of it follow it."""
+        return self.L.new_tensor_3d(self.ctx, TYPE_F32, *ne)
+
+    def view3(self, a: int, ne: tuple[int, int, int], nb1: int, nb2: int, offset: int = 0) -> int:
+        """A strided view of ``a`` (ggml order: ``ne`` = (cols, rows, slices), strides in bytes)."""
+        return self._op(self.L.view_3d(self.ctx, a, *ne, nb1, nb2, offset))
+
+    def reshape(self, a: int, *ne: int) -> int:
+        """``a`` (contiguous) seen with ggml shape ``ne`` (2 or 3 dims), a view."""
+        fn = self.L.reshape_2d if len(ne) == 2 else self.L.reshape_3d
+        return self._op(fn(self.ctx, a, *ne))
+
+    def permute(self, a: int, *axes: int) -> int:
+        """``a`` with its ggml axes permuted (ggml's convention: axis i of ``a`` becomes axis ``axes[i]``), a view."""
+        return self._op(self.L.permute(self.ctx, a, *axes))
+
+    def concat(self, a: int, b: int) -> int:
+        """``a`` and ``b`` ([S, Na] and [S, Nb]) side by side → [S, Na + Nb]."""
+        return self._op(self.L.concat(self.ctx, a, b, 0))
+
+    def copy_into(self, a: int, dst: int) -> int:
+        """Copy ``a`` into ``dst`` (same element count), ordered before every op built after it."""
+        t = self._op(self.L.cpy(self.ctx, a, dst))
+        self.order.append(t)
+        return t
+
+    def rope(self, x: int, pos: int, freq_factors: int | None, n_dims: int, base: float) -> int:
+        """Rotate-half (NeoX) RoPE of ``x`` (ggml shape (d, heads, S), rows may be strided) at ``pos`` ([S] int32):
+        angle ``pos · base^(-2i/n_dims) / freq_factors[i]`` for pair i, computed as llama.cpp computes it."""
+        return self._op(self.L.rope_ext(self.ctx, x, pos, freq_factors, n_dims, ROPE_NEOX, 0, base, 1.0, 0.0, 1.0,
+                                        0.0, 0.0))
+
+    def flash_attn(self, q: int, k: int, v: int, scale: float) -> int:
+        """Softmax attention without a mask (every key visible): q ggml (d, S, H), k and v (d, n, Hkv) with
+        H a multiple of Hkv (grouped-query) → (d, H, S)."""
+        return self._op(self.L.flash_attn_ext(self.ctx, q, k, v, None, scale, 0.0, 0.0))
+
+    def finish(self, outputs: dict[str, int | tuple[int, int]], n_threads: int) -> "Graph":
+        """The graph computing ``outputs`` (each an op's result, written into a fresh torch tensor per run; a
+        value ``(tensor, 3)`` asks for a 3-D torch tensor, else 2-D). Copies made with :meth:`copy_into` run
+        first, in the order they were built."""
         g = self.L.new_graph_custom(self.ctx, self.max_tensors, False)
-        for t in outputs.values():
+        for t in self.order:
             self.L.build_forward_expand(g, t)
+        for t in outputs.values():
+            self.L.build_forward_expand(g, t if isinstance(t, int) else t[0])
         return Graph(self, g, outputs, n_threads)
 
 
@@ -228,49 +284,75 @@ class Graph:
     def __init__(self, b: Builder, g: int, outputs: dict[str, int], n_threads: int):
         L = lib()
         self._b, self._g, self.L = b, g, L
+        dims = {k: (v, 2) if isinstance(v, int) else v for k, v in outputs.items()}
+        outputs = {k: t for k, (t, _) in dims.items()}
         out_ids = set(outputs.values())
-        temps = [t for t in b.temps if t not in out_ids]
+        # a view has no memory of its own: it points into its source's (ggml keeps the root and the offset)
+        temps = [t for t in b.temps if t not in out_ids and not _Tensor.from_address(t).view_src]
         sizes = [-(-L.nbytes(t) // _ALIGN) * _ALIGN for t in temps]
         self.arena = np.empty(max(sum(sizes), 1) + _ALIGN, np.uint8)
         at = -(-self.arena.ctypes.data // _ALIGN) * _ALIGN
         for t, n in zip(temps, sizes):
             P.from_address(t + _DATA).value = at
             at += n
+        placed = set(temps)
+        # views of arena tensors are placed now; views of inputs, outputs and external memory follow their
+        # root at every run
+        self._views: list[tuple[C.c_void_p, C.c_void_p, int]] = []
+        for t in b.temps:
+            s = _Tensor.from_address(t)
+            if s.view_src and t not in out_ids:
+                if s.view_src in placed:
+                    s.data = _Tensor.from_address(s.view_src).data + s.view_offs
+                else:
+                    self._views.append((P.from_address(t + _DATA), P.from_address(s.view_src + _DATA), s.view_offs))
         self._in = {}
         for k, t in b.inputs.items():
             s = _Tensor.from_address(t)
             shape = (s.ne[1], s.ne[0]) if s.ne[1] > 1 or s.type != TYPE_I32 else (s.ne[0],)
             self._in[k] = (P.from_address(t + _DATA), shape, torch.int32 if s.type == TYPE_I32 else torch.float32)
-        self._out = {k: (P.from_address(t + _DATA), tuple(reversed(_Tensor.from_address(t).ne[:2])))
+        self._out = {k: (P.from_address(t + _DATA), tuple(reversed(_Tensor.from_address(t).ne[:dims[k][1]])))
                      for k, t in outputs.items()}
         self._plan = L.graph_plan(g, n_threads, thread_pool(n_threads))
         self._work = np.empty(max(self._plan.work_size, 1), np.uint8)
         self._plan.work_data = self._work.ctypes.data
         self._plan_ref = C.byref(self._plan)
 
-    def run(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def run(self, prepare=None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Compute once. Inputs: contiguous CPU tensors of the declared shapes (float32; int32 for ids).
+        ``prepare``, if given, is called first under the same lock: where it re-points external tensors
+        (:meth:`fields`), no other thread's run sees them half-set.
 
         Returns:
             {output name: [rows, cols] float32 tensor}.
         Raises:
             RuntimeError: ggml reported a failed compute.
         """
-        outs = {k: torch.empty(rows, cols) for k, (_, (rows, cols)) in self._out.items()}
+        outs = {k: torch.empty(shape) for k, (_, shape) in self._out.items()}
         for k, x in inputs.items():   # ggml reads exactly the declared bytes: anything else would read past them
             _, shape, dtype = self._in[k]
             if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous() or x.device.type != "cpu":
                 raise ValueError(f"ggml graph input {k}: expected a contiguous CPU {dtype} tensor {shape}, got "
                                  f"{x.dtype} {tuple(x.shape)}")
         with _compute_lock:   # the pointers belong to this call until the compute ends
+            if prepare is not None:
+                prepare()
             for k, x in inputs.items():
                 self._in[k][0].value = x.data_ptr()
             for k, y in outs.items():
                 self._out[k][0].value = y.data_ptr()
+            for view, root, offset in self._views:
+                view.value = root.value + offset
             status = self.L.graph_compute(self._g, self._plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
         return outs
+
+    @staticmethod
+    def fields(t: int) -> _Tensor:
+        """The struct of graph tensor ``t``, for a caller that re-points an external tensor (``data``) or resizes a
+        view of one (``ne``) between runs: the KV cache's buffer moves when it grows and gains a row per step."""
+        return _Tensor.from_address(t)
 
     def __del__(self):
         try:

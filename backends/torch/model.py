@@ -9,6 +9,7 @@ Source: the HF ``transformers`` Llama, Qwen2 and Qwen3 modelling code (architect
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -22,7 +23,8 @@ from zoomr.kvstore.base import KVCache
 
 from .cascade import attend_shared_prefix, shared_prefix_groups
 from .config import ModelConfig
-from .ggml_layers import GgmlEmbedding, GgmlLayer, GgmlLinear
+from .ggml_decode import DecodeGraph, RowAttention, attends_in_ggml
+from .ggml_layers import GgmlEmbedding, GgmlHead, GgmlLayer, GgmlLinear, Heads, rope_divisors
 from .head import EXACT_TOP_K, ExactTopHead
 from .quant import DenseLinear, GroupQuant, Int4Linear, Int8Linear, Linear, QuantEmbedding, check_quant, make_linear
 from .rope import RotaryTable, apply_rotary, inv_frequencies
@@ -134,20 +136,6 @@ def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: "_Layer", shape: LayerShap
 
 
 _EAGER = (attn_in, attn_out_mlp)
-
-
-def ggml_attn_in(x: torch.Tensor, L: "_Layer", cos: torch.Tensor, sin: torch.Tensor,
-                 shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`attn_in` with RMSNorm and the QKV projection in one ggml graph (``--quant ggml``)."""
-    return qkv_heads(L.ggml.norm_qkv(x).to(shape.kv_dtype), L, cos, sin, shape)
-
-
-def ggml_attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: "_Layer", shape: LayerShape) -> torch.Tensor:
-    """:func:`attn_out_mlp` as one ggml graph (``--quant ggml``)."""
-    return L.ggml.out_mlp(x, o)
-
-
-_GGML = (ggml_attn_in, ggml_attn_out_mlp)
 
 
 class _CompiledOrEager:
@@ -301,6 +289,9 @@ class Decoder:
             q, k = norm(a + "q_norm.weight"), norm(a + "k_norm.weight")
             return torch.cat([q.expand(cfg.n_heads, -1), k.expand(cfg.n_kv_heads, -1)]).contiguous()
 
+        freq = tensors.get("rope_freqs")
+        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                              torch.from_numpy(np.asarray(freq, np.float32)) if freq is not None else None)
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -315,23 +306,40 @@ class Decoder:
                 qk_norm=qk_norm(a),
             )
             if ggml:
+                heads = Heads(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta,
+                              rope_divisors(inv.numpy(), cfg.rope_theta),
+                              None if L.qk_norm is None else L.qk_norm.numpy(), cfg.rms_eps)
                 L.ggml = GgmlLayer(L.qkv, L.o, L.gate_up, L.down, tensors[p + "input_layernorm.weight"],
-                                   tensors[p + "post_attention_layernorm.weight"], cfg.rms_eps, threads)
+                                   tensors[p + "post_attention_layernorm.weight"], cfg.rms_eps, heads, threads)
             self.layers.append(L)
+        self._ggml_head = self._ggml_step = self._row_attention = None
         if ggml:
-            self._blocks = _GGML
             for a, b in zip(self.layers, self.layers[1:]):
                 a.ggml.next = b.ggml
-        freq = tensors.get("rope_freqs")
-        inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                              torch.from_numpy(np.asarray(freq, np.float32)) if freq is not None else None)
+            self._ggml_head = GgmlHead(tensors["model.norm.weight"], cfg.rms_eps, self.lm_head, threads)
+            self._ggml_step = DecodeGraph(self.embed, [L.ggml for L in self.layers], self._ggml_head, threads)
+            self._row_attention = RowAttention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, threads)
         # held in the attention dtype: the rotation then costs no cast per forward (angles computed in float64)
         self.rope = RotaryTable(inv, device, self.kv_dtype, n=min(cfg.max_ctx, 8192))
+
+    @contextlib.contextmanager
+    def first_layers(self, n: int):
+        """Within the block, the model is its first ``n`` layers, embedding and head (a cut-down model whose step
+        time :mod:`.quant_probe` measures)."""
+        saved = self.layers, self._ggml_step
+        self.layers = self.layers[:n]
+        if saved[1] is not None:
+            self._ggml_step = DecodeGraph(self.embed, [L.ggml for L in self.layers], self._ggml_head,
+                                          saved[1].n_threads)
+        try:
+            yield self
+        finally:
+            self.layers, self._ggml_step = saved
 
     @property
     def compiled(self) -> bool:
         """Decode steps run compiled graphs: ``compile`` was asked for and compiling has not failed."""
-        return self._blocks not in (_EAGER, _GGML) and not self._blocks[0].state["failed"]
+        return self._blocks is not _EAGER and not self._blocks[0].state["failed"]
 
     def linears(self) -> list[Linear]:
         """Every linear of the model, LM head last."""
@@ -429,17 +437,36 @@ class Decoder:
         for n in lengths:
             bounds.append((s0, s0 + n))
             s0 += n
+        ggml = self._ggml_step is not None
+        if (ggml and S == 1 and attention == "per_seq" and not return_hidden
+                and attends_in_ggml(caches[0], 1)):   # one token over a plain full cache: one ggml graph
+            return self._ggml_step(ids, positions, caches[0])
         # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
         # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
         x = self.embed[ids].float()
-        cos, sin = self.rope.get(positions)
         shape = self._shape
-        # compiled blocks serve decode only (one row a sequence); ggml's serve every row count
-        attn_in, attn_out_mlp = self._blocks if S == len(lengths) or self._blocks is _GGML else _EAGER
+        if ggml:   # RoPE inside the graphs, at these positions
+            pos32 = positions.to(torch.int32)
+
+            def attn_in(x, L):
+                return tuple(t.to(shape.kv_dtype) for t in L.ggml.norm_qkv(x, pos32))
+
+            def attn_out_mlp(x, o, L):
+                return L.ggml.out_mlp(x, o, pos32)
+        else:
+            cos, sin = self.rope.get(positions)
+            # compiled blocks serve decode only (one row a sequence)
+            block_in, block_out = self._blocks if S == len(lengths) else _EAGER
+
+            def attn_in(x, L):
+                return block_in(x, L, cos, sin, shape)
+
+            def attn_out_mlp(x, o, L):
+                return block_out(x, o, L, shape)
         o = torch.empty(S, H * d, device=x.device, dtype=self.dtype)
         masks: dict[tuple[int, int], torch.Tensor] = {}  # layers attending the same N share one causal mask
         for li, L in enumerate(self.layers):
-            q, k, v = attn_in(x, L, cos, sin, shape)                         # [H, S, d], [Hkv, S, d] x2
+            q, k, v = attn_in(x, L)                                          # [H, S, d], [Hkv, S, d] x2
             if attention == "padded":
                 self._attend_padded(li, q, k, v, caches, o)
             else:
@@ -458,10 +485,13 @@ class Decoder:
                         # (fp32 KV beside bf16 linears on a CPU), o is in the linears' dtype
                         o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d).to(o.dtype)
                         done.update(rows)
-                for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
+                for row, ((a, b), parts, cache) in enumerate(zip(bounds, parts_all, caches)):
                     if row in done:
                         continue
                     T, N = b - a, sum(K.shape[1] for K, _ in parts)
+                    if ggml and attends_in_ggml(cache, T):   # the kernel this sequence's step uses alone
+                        o[a] = self._row_attention(q[:, a], cache.k[li], cache.v[li], N)
+                        continue
                     mask = None
                     if T > 1:
                         # the T new tokens are the last T of the N attended: causal within them
@@ -475,9 +505,11 @@ class Decoder:
                     else:
                         ob = attend_parts(q[:, a:b], parts, mask)
                     o[a:b] = ob.transpose(0, 1).reshape(T, H * d)
-            x = attn_out_mlp(x, o, L, shape)
+            x = attn_out_mlp(x, o, L)
         if not all_logits:
             x = x[[b - 1 for _, b in bounds]] if len(bounds) > 1 else x[-1:]
+        if ggml and not return_hidden:   # final norm and head in the graph the one-graph decode step ends with
+            return self._ggml_head(x)
         if isinstance(self.lm_head, ExactTopHead) and not return_hidden:   # it re-scores from the fp32 states
             return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_eps))
         h = self._rms(x, self.norm)

@@ -1,8 +1,9 @@
 """``--quant auto`` on a CPU: ggml's kernels or torch's int4 kernel, whichever decodes this model faster here.
 
 Which is faster depends on the CPU: torch's int4 kernel computes in bf16, native on AVX512-BF16 and emulated on
-AVX2, while ggml's products are integer dot products on every x86 CPU and its graphs fold a layer's norms, SwiGLU
-and residuals into two calls (:mod:`.ggml_layers`). So it is measured, once per machine, on the model's own
+AVX2, while ggml's products are integer dot products on every x86 CPU and its graphs fold a layer's norms, RoPE,
+SwiGLU and residuals into two calls, a whole decode step over a plain full cache into one (:mod:`.ggml_layers`,
+:mod:`.ggml_decode`). So it is measured, once per machine, on the model's own
 first :data:`PROBE_LAYERS` layers and head (the same tensor types and shapes the full model runs): a
 :data:`PROBE_CONTEXT`-token prompt, then decode steps of 1 row and of :data:`PROBE_BATCH` rows (what ``zoomr
 bench -np`` and rescue's batched candidates run), best of a few, with those layers and without them; the
@@ -27,7 +28,7 @@ import torch
 from zoomr.backends.machine_cache import cpu_name, lookup, store
 
 CACHE_FILE = "quant_probe.json"
-PROBE_VERSION = 2      # part of the cache key: a changed measurement does not read the old one's verdicts
+PROBE_VERSION = 3      # part of the cache key: a changed measurement does not read the old one's verdicts
 PROBE_LAYERS = 4
 PROBE_CONTEXT = 256
 PROBE_BATCH = 8
@@ -68,23 +69,24 @@ def _step_ms(model, caches: list) -> float:
 def _decode_ms(model, n_layers: int) -> dict[str, float]:
     """A full model's decode step (``n_layers`` layers) at 1 and PROBE_BATCH rows, estimated from the cut-down
     one: its step with every probe layer and with none (embedding and head alone), the layers' share scaled to
-    ``n_layers``. One PROBE_CONTEXT-token prefill, forked for the batch."""
+    ``n_layers``. Each sequence is a PROBE_CONTEXT-token prefill of its own, not a fork, as a user's sequences
+    are: a plain full cache is what the ggml path decodes in one graph."""
     from zoomr.kvstore.base import FullKVCache
 
     cfg = model.cfg
-    base = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.device, model.kv_dtype)
-    model.forward(torch.arange(100, 100 + PROBE_CONTEXT) % cfg.vocab, torch.arange(PROBE_CONTEXT), base)
-    base.end_forward([0] * PROBE_CONTEXT, "")
+
+    def prefilled() -> FullKVCache:
+        cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.device, model.kv_dtype)
+        model.forward(torch.arange(100, 100 + PROBE_CONTEXT) % cfg.vocab, torch.arange(PROBE_CONTEXT), cache)
+        cache.end_forward([0] * PROBE_CONTEXT, "")
+        return cache
+
     out = {}
     for rows in (1, PROBE_BATCH):
-        layers = model.layers
-        with_layers = _step_ms(model, [base.fork() for _ in range(rows)])
-        model.layers = []
-        try:
-            head_only = _step_ms(model, [base.fork() for _ in range(rows)])
-        finally:
-            model.layers = layers
-        out[str(rows)] = round(head_only + max(with_layers - head_only, 0.0) * n_layers / len(layers), 3)
+        with_layers = _step_ms(model, [prefilled() for _ in range(rows)])
+        with model.first_layers(0):
+            head_only = _step_ms(model, [prefilled() for _ in range(rows)])
+        out[str(rows)] = round(head_only + max(with_layers - head_only, 0.0) * n_layers / len(model.layers), 3)
     return out
 
 

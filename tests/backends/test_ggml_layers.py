@@ -80,6 +80,24 @@ def test_decoder_matches_llamacpp_teacher_forced(ggml_backend, torch_backend, em
     assert_as_faithful_as_llamacpp(ours, ref, exact, "ggml")
 
 
+def test_one_graph_decode_steps_are_as_faithful_as_llamacpp(ggml_backend, torch_backend, embedded_path):
+    """The same 512 tokens teacher-forced one decode step at a time: each step is one ggml graph (RoPE, the KV
+    write and flash attention inside; the cache doubles from 256 to 512 positions on the way, a new graph)."""
+    from zoomr.backends.torch.ggml_decode import attends_in_ggml
+    from zoomr.evaluation.parity import gsm8k_text_ids
+
+    be = ggml_backend
+    ids = gsm8k_text_ids(be.tokenizer, 512)
+    seq = be.new_sequence()
+    ours = [be.prefill(seq, ids[:1])]
+    assert attends_in_ggml(seq.cache, 1)
+    ours += [be.decode(seq, t) for t in ids[1:]]
+    ref = llamacpp_logits(embedded_path, ids)
+    exact = torch_backend.prefill(torch_backend.new_sequence(), ids, all_logits=True)
+    assert_as_faithful_as_llamacpp(np.stack(ours), ref, exact, "ggml one-graph decode")
+    assert seq.cache.k[0].shape[1] == 512 and seq.cache.n_tokens == 512
+
+
 def test_decode_equals_prefill_and_the_fused_graphs_change_nothing(ggml_backend):
     ids = list(range(200, 232))
     be = ggml_backend
@@ -87,7 +105,11 @@ def test_decode_equals_prefill_and_the_fused_graphs_change_nothing(ggml_backend)
     pre = be.prefill(seq, ids[:20])
     steps = [be.decode(seq, t) for t in ids[20:]]
     whole = be.prefill(be.new_sequence(), ids, all_logits=True)
-    np.testing.assert_array_equal(pre, whole[19])   # the same rows through the same graphs
+    # the same rows through the same ggml graphs, but torch's masked attention rounds a row differently when
+    # it is given 20 or 32 keys (3e-8 at layer 0 measured, before RoPE moved into ggml too), and 8-bit
+    # activation codes amplify that: equal to the agreement of two llama.cpp runs, not bitwise
+    top1, kl = agreement(pre[None], whole[19:20])
+    assert top1 == 1.0 and kl < 0.005, (top1, kl)
     # a decode step attends through another kernel than the prefill's masked one; its last-bit differences move
     # some 8-bit activation codes, so the logits agree as two llama.cpp runs do, not to fp32 rounding (KL 0.004
     # measured; the int4 bf16 path 0.0012; a KV-cache bug gives KL of order 1)
@@ -110,8 +132,11 @@ def test_decode_equals_prefill_and_the_fused_graphs_change_nothing(ggml_backend)
 
 
 def test_batched_decode_gives_each_row_its_own_logits(ggml_backend):
+    """Alone, a step is one ggml graph; in a batch, the layers' graphs with each row's attention in ggml's kernel
+    over its own cache (:class:`~zoomr.backends.torch.ggml_decode.RowAttention`): the same bits. Prompts of some
+    length, as over a few positions torch's attention happened to round as ggml's does (0.48 apart at 200+)."""
     be = ggml_backend
-    prompts = [[300 + i, 301 + i, 302 + i] for i in range(3)]
+    prompts = [list(range(300 + i, 500 + 37 * i)) for i in range(3)]
     alone = []
     for p in prompts:
         s = be.new_sequence()
@@ -138,7 +163,16 @@ def test_other_architectures_match_llamacpp(tmp_path, embedded_path, arch):
     dec = Decoder(cfg, tensors, torch.device("cpu"), torch.float32, quant="ggml")
     cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
     ours = dec.forward(torch.tensor(ids), torch.arange(len(ids)), cache, all_logits=True).numpy()
-    top1, kl = agreement(ours, llamacpp_logits(path, ids))
+    ref = llamacpp_logits(path, ids)
+    top1, kl = agreement(ours, ref)
+    assert top1 >= 0.98, (top1, kl)
+    # one token at a time: each step one ggml graph (the q/k norms and RoPE inside it)
+    cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+    steps = []
+    for p, t in enumerate(ids):
+        steps.append(dec.forward(torch.tensor([t]), torch.tensor([p]), cache).numpy())
+        cache.end_forward([t], "")
+    top1, kl = agreement(np.stack(steps), ref)
     assert top1 >= 0.98, (top1, kl)
 
 
