@@ -26,7 +26,7 @@ import torch
 
 from zoomr.kvstore.base import FullKVCache
 
-from .ggml_layers import GgmlEmbedding, GgmlHead, GgmlLayer, _GraphCache, qkv_heads
+from .ggml_layers import GgmlEmbedding, GgmlHead, GgmlLayer, GraphCache, qkv_heads
 from .ggml_ops import TYPE_I32, Builder, Graph
 
 
@@ -44,6 +44,7 @@ class _CacheViews:
 
     def __init__(self, b: Builder, d: int, n_kv: int, cap: int):
         nb1, nb2 = d * 4, cap * d * 4
+        self.cap = cap
         self.roots = [b.external((d, cap, n_kv)) for _ in range(4)]   # K write, V write, K read, V read
         self.write_k, self.write_v = (b.view3(r, (d, 1, n_kv), nb1, nb2) for r in self.roots[:2])
         # planned at the full capacity: the compute's work buffer is sized for the longest attention it may run
@@ -51,7 +52,13 @@ class _CacheViews:
 
     def point(self, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
         """Aim at buffers ``k``, ``v`` ([Hkv, cap, d] float32) holding ``n`` positions; the step writes position n
-        and attends n + 1."""
+        and attends n + 1.
+
+        Raises:
+            RuntimeError: buffers of another capacity than the graph's (its strides would miss their rows).
+        """
+        if k.shape[1] != self.cap or v.shape[1] != self.cap:
+            raise RuntimeError(f"KV buffers of {k.shape[1]} positions under a graph built for {self.cap}")
         row = n * k.shape[2] * 4
         for root, ptr in zip(self.roots, (k.data_ptr() + row, v.data_ptr() + row, k.data_ptr(), v.data_ptr())):
             Graph.fields(root).data = ptr
@@ -72,7 +79,7 @@ class RowAttention:
 
     def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, n_threads: int):
         self.H, self.Hkv, self.d, self.n_threads = n_heads, n_kv_heads, head_dim, n_threads
-        self._graphs = _GraphCache(self._build)
+        self._graphs = GraphCache(self._build)
 
     def _build(self, cap: int):
         b = Builder()
@@ -100,7 +107,7 @@ class DecodeGraph:
     def __init__(self, embed: GgmlEmbedding, layers: list[GgmlLayer], head: GgmlHead, n_threads: int):
         self.embed, self.layers, self.head = embed, layers, head
         self.n_threads = n_threads
-        self._graphs = _GraphCache(self._build)
+        self._graphs = GraphCache(self._build)
 
     def _build(self, cap: int):
         # a layer makes about 50 graph tensors (more with biases, q/k norms, mixed weight types)

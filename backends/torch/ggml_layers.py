@@ -85,8 +85,8 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32)
 
 
-class _GraphCache:
-    """Graphs by row count, the most recent few kept."""
+class GraphCache:
+    """Built graphs by a key (a row count, a KV-buffer capacity), the most recent few kept; ``build(key)`` makes one."""
 
     def __init__(self, build):
         self._build, self._graphs = build, OrderedDict()
@@ -119,7 +119,7 @@ class GgmlLinear:
         self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
         self.kind = "/".join(sorted({f"ggml ({p.type_name})" for p in self.parts}))
         self.n_threads = n_threads
-        self._graphs = _GraphCache(self._build)
+        self._graphs = GraphCache(self._build)
 
     def project(self, b: Builder, x: int) -> list[int]:
         """The products of ``x`` (a graph tensor [S, K]) with each run, bias added: [S, N_run] each."""
@@ -208,8 +208,8 @@ class GgmlLayer:
         # the next layer: its RMSNorm and QKV join this layer's out_mlp graph (one ggml call per layer, not two)
         self.next: GgmlLayer | None = None
         self._pending: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None   # (residual, its QKV), from the last
-        self._in = _GraphCache(self._build_in)
-        self._out = _GraphCache(self._build_out)
+        self._in = GraphCache(self._build_in)
+        self._out = GraphCache(self._build_out)
 
     def _norm(self, b: Builder, x: int, w: np.ndarray) -> int:
         return b.rms_norm(x, b.weight(w, TYPE_F32, w.shape), self.eps)
@@ -288,7 +288,7 @@ class GgmlHead:
 
     def __init__(self, norm: np.ndarray, eps: float, head: GgmlLinear, n_threads: int):
         self.norm, self.eps, self.head, self.n_threads = _f32(norm), eps, head, n_threads
-        self._graphs = _GraphCache(self._build)
+        self._graphs = GraphCache(self._build)
 
     def build(self, b: Builder, x: int) -> int:
         """The graph's ops from the residual ``x`` (ggml (hidden, S)) to the logits (vocab, S)."""
@@ -313,7 +313,7 @@ class GgmlEmbedding:
 
     def __init__(self, table: RawWeight, n_threads: int):
         self.table, self.n_threads = table, n_threads
-        self._graphs = _GraphCache(self._build)
+        self._graphs = GraphCache(self._build)
 
     def _build(self, rows: int) -> Graph:
         b = Builder()
