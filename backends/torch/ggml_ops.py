@@ -4,13 +4,16 @@ llama.cpp multiplies a quantized weight block by an activation block quantized o
 (Q4_1 × Q8_1, Q4_K × Q8_K ...), with integer dot products: ``vpmaddubsw`` on AVX2, VNNI where the CPU has it.
 torch has no CPU kernel that takes a scale per 32 weights with int8 activations, and its int4 kernel computes
 in bf16, which AVX2 CPUs lack. The ggml library that llama-cpp-python already ships has those kernels, for every
-GGUF type, reading the file's bytes as they are. This module builds ggml graphs (a few ops: ``mul_mat``,
-``rms_norm``, ``silu``, ``mul``, ``add``, ``get_rows``) whose weights point into the GGUF's memory map and whose
-inputs and outputs point at torch tensors, and runs them on a ggml thread pool kept for the process.
+GGUF type, reading the file's bytes as they are. This module builds ggml graphs (``mul_mat``, ``rms_norm``,
+``silu``, ``mul``, ``add``, ``get_rows``, ``concat``, ``rope_ext``, ``flash_attn_ext``, ``cpy`` and views) whose
+weights point into the GGUF's memory map and whose inputs and outputs point at torch tensors, and runs them on a
+ggml thread pool kept for the process.
 
-Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). One field of ``struct ggml_tensor`` is written
-directly, ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way); the struct's
-layout is checked against ``ggml_get_data``/``ggml_nbytes`` on a real tensor before anything runs, and a build
+Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). Two fields of ``struct ggml_tensor`` are written
+directly: ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and ``ne[1]`` of a
+view over a KV-cache buffer, the number of positions attended, which grows by one a decode step
+(:mod:`.ggml_decode`; the graph was planned at the buffer's full length). The struct's layout is checked against
+``ggml_get_data``/``ggml_nbytes`` and a view's source and offset on real tensors before anything runs, and a build
 whose layout differs reports itself unavailable rather than guessing.
 
 Source: ggml's C API as vendored by llama-cpp-python (``vendor/llama.cpp/ggml/include``); the type ids are
@@ -83,7 +86,6 @@ class _Lib:
             (base, "ggml_reshape_2d"): ([P, P, C.c_int64, C.c_int64], P),
             (base, "ggml_reshape_3d"): ([P, P, C.c_int64, C.c_int64, C.c_int64], P),
             (base, "ggml_view_3d"): ([P, P, C.c_int64, C.c_int64, C.c_int64, C.c_size_t, C.c_size_t, C.c_size_t], P),
-            (base, "ggml_permute"): ([P, P, C.c_int, C.c_int, C.c_int, C.c_int], P),
             (base, "ggml_cpy"): ([P, P, P], P), (base, "ggml_concat"): ([P, P, P, C.c_int], P),
             (base, "ggml_rope_ext"): ([P, P, P, P, C.c_int, C.c_int, C.c_int] + [C.c_float] * 6, P),
             (base, "ggml_flash_attn_ext"): ([P, P, P, P, P, C.c_float, C.c_float, C.c_float], P),
@@ -225,7 +227,7 @@ class Builder:
 
     def external(self, ne: tuple[int, int, int]) -> int:
         """A float32 tensor of ggml shape ``ne`` over memory the caller points it at before each run
-        (:meth:`Graph.point`): a KV-cache buffer. Views of it follow it."""
+        (:meth:`Graph.fields`, in :meth:`Graph.run`'s ``prepare``): a KV-cache buffer. Views of it follow it."""
         return self.L.new_tensor_3d(self.ctx, TYPE_F32, *ne)
 
     def view3(self, a: int, ne: tuple[int, int, int], nb1: int, nb2: int, offset: int = 0) -> int:
@@ -236,10 +238,6 @@ class Builder:
         """``a`` (contiguous) seen with ggml shape ``ne`` (2 or 3 dims), a view."""
         fn = self.L.reshape_2d if len(ne) == 2 else self.L.reshape_3d
         return self._op(fn(self.ctx, a, *ne))
-
-    def permute(self, a: int, *axes: int) -> int:
-        """``a`` with its ggml axes permuted (ggml's convention: axis i of ``a`` becomes axis ``axes[i]``), a view."""
-        return self._op(self.L.permute(self.ctx, a, *axes))
 
     def concat(self, a: int, b: int) -> int:
         """``a`` and ``b`` ([S, Na] and [S, Nb]) side by side → [S, Na + Nb]."""
@@ -287,6 +285,8 @@ class Graph:
         dims = {k: (v, 2) if isinstance(v, int) else v for k, v in outputs.items()}
         outputs = {k: t for k, (t, _) in dims.items()}
         out_ids = set(outputs.values())
+        if any(_Tensor.from_address(t).view_src for t in out_ids):   # a view op computes nothing to write out
+            raise ValueError("a ggml graph output must be an op's own result, not a view")
         # a view has no memory of its own: it points into its source's (ggml keeps the root and the offset)
         temps = [t for t in b.temps if t not in out_ids and not _Tensor.from_address(t).view_src]
         sizes = [-(-L.nbytes(t) // _ALIGN) * _ALIGN for t in temps]
