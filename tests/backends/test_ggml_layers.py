@@ -142,9 +142,10 @@ def test_batched_decode_gives_each_row_its_own_logits(ggml_backend):
     np.testing.assert_array_equal(np.stack(alone), np.asarray(together))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_other_architectures_match_llamacpp(tmp_path, embedded_path, arch):
-    """Qwen3 (q/k norms, rows as stored) and llama (rows permuted) tiny files, ggml path against llama.cpp."""
+    """Qwen3 (q/k norms, rows as stored), Qwen2 (q/k/v biases) and llama (rows permuted) tiny files, ggml path
+    against llama.cpp, prefilled and one decode step at a time."""
     from gguf_tiny import N_TOKENS, write_tiny_gguf
 
     from zoomr.backends.torch.model import Decoder

@@ -118,6 +118,32 @@ def test_llama3_rope_freqs_gguf_matches_llamacpp(llama3):
     assert top1_plain < 0.96 and kl_plain > 100 * kl
 
 
+def test_llama3_rope_freqs_on_the_ggml_path(llama3):
+    """``--quant ggml`` hands ``rope_freqs`` to ggml's RoPE as its frequency divisors: the same 512 positions,
+    prefilled and then teacher-forced one decode step (one ggml graph) at a time, match llama.cpp; without the
+    divisors they do not."""
+    from zoomr.backends.torch import ggml_ops
+
+    if not ggml_ops.available():
+        pytest.skip("llama-cpp-python's ggml cannot be loaded here")
+    cfg, tensors, _ = load_gguf(llama3, raw=True)
+    ref = llamacpp_logits(llama3, IDS)
+    found = {}
+    for name, t in (("rope_freqs", tensors), ("plain", {k: v for k, v in tensors.items() if k != "rope_freqs"})):
+        dec = Decoder(cfg, t, torch.device("cpu"), torch.float32, quant="ggml")
+        cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+        pre = dec.forward(torch.tensor(IDS), torch.arange(N), cache, all_logits=True).numpy()
+        cache = FullKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.device("cpu"), torch.float32)
+        steps = []
+        for p, tok in enumerate(IDS):
+            steps.append(dec.forward(torch.tensor([tok]), torch.tensor([p]), cache).numpy())
+            cache.end_forward([tok], "")
+        found[name] = agreement(pre, ref), agreement(np.stack(steps), ref)
+    print(f"\nllama3 rope_freqs GGUF, ggml path vs llama.cpp (prefill, decode steps): {found}")
+    assert all(top1 >= 0.98 for top1, _ in found["rope_freqs"]), found
+    assert all(top1 < 0.96 for top1, _ in found["plain"]), found
+
+
 @pytest.mark.parametrize("head_dim, theta, factor, low, high, old", [
     (128, 500000.0, 8.0, 1.0, 4.0, 8192),    # Llama 3.1 8B / 70B
     (64, 500000.0, 32.0, 1.0, 4.0, 8192),    # Llama 3.2 1B
