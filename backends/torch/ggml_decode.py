@@ -66,12 +66,15 @@ class _CacheViews:
             Graph.fields(t).ne[1] = n + 1
 
 
-def _attend(b: Builder, q: int, views: _CacheViews, head_dim: int) -> int:
-    return b.flash_attn(q, views.read_k, views.read_v, 1.0 / math.sqrt(head_dim))
+def _plan_length(n: int) -> int:
+    # graphs planned for this many attended positions (powers of two from 256): a few graphs serve every length
+    return max(256, 1 << (n - 1).bit_length())
 
 
 class RowAttention:
-    """Attention of one new token over a plain full cache with ggml's kernel (see the module docstring).
+    """Attention of one new token over one (K, V) pair with ggml's kernel, for a row of a batched or per-layer
+    forward (see the module docstring): the one-graph decode step's kernel, so a plain full cache's row gets the
+    same bits either way, and a policy that evicts nothing attends exactly as full KV does.
 
     Args:
         n_heads, n_kv_heads, head_dim: H, Hkv, d; n_threads: ggml threads.
@@ -81,18 +84,34 @@ class RowAttention:
         self.H, self.Hkv, self.d, self.n_threads = n_heads, n_kv_heads, head_dim, n_threads
         self._graphs = GraphCache(self._build)
 
-    def _build(self, cap: int):
+    def _build(self, length: int):
         b = Builder()
-        H, d = self.H, self.d
+        H, Hkv, d = self.H, self.Hkv, self.d
         q = b.view3(b.input("q", H, d), (d, 1, H), H * d * 4, d * 4)
-        views = _CacheViews(b, d, self.Hkv, cap)
-        return b.finish({"o": _attend(b, q, views, d)}, self.n_threads), views
+        roots = [b.external((d, length, Hkv)) for _ in range(2)]
+        k, v = (b.view3(r, (d, length, Hkv), d * 4, length * d * 4) for r in roots)
+        return b.finish({"o": b.flash_attn(q, k, v, 1.0 / math.sqrt(d))}, self.n_threads), roots, (k, v)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int) -> torch.Tensor:
-        """q [H, d] float32 (rotated), the cache's buffers k, v [Hkv, cap, d] of which the first ``n`` positions are
-        attended (the new one included) → [H·d] float32."""
-        graph, views = self._graphs(k.shape[1])
-        return graph.run(lambda: views.point(k, v, n - 1), q=q.contiguous())["o"].view(-1)
+    @staticmethod
+    def takes(k: torch.Tensor, v: torch.Tensor) -> bool:
+        """``k`` and ``v`` ([Hkv, n, d]) are float32 CPU tensors whose rows are contiguous (any head and position
+        strides): what the kernel reads."""
+        return (k.dtype == v.dtype == torch.float32 and k.device.type == v.device.type == "cpu"
+                and k.shape == v.shape and k.stride(2) == v.stride(2) == 1)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [H, d] float32 (rotated) attending every position of k, v [Hkv, n, d] (:meth:`takes`) → [H·d] float32."""
+        graph, roots, views = self._graphs(_plan_length(k.shape[1]))
+
+        def point():
+            for root, view, t in zip(roots, views, (k, v)):
+                Graph.fields(root).data = t.data_ptr()
+                f = Graph.fields(view)
+                f.ne[1] = t.shape[1]
+                f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
+                f.nb[3] = f.nb[2] * t.shape[0]
+
+        return graph.run(point, q=q.contiguous())["o"].view(-1)
 
 
 class DecodeGraph:
@@ -128,7 +147,7 @@ class DecodeGraph:
             n_qkv = (H + 2 * Hkv) * d
             b.copy_into(b.view3(qkv, (d, 1, Hkv), n_qkv * 4, d * 4, (H + Hkv) * d * 4), views.write_v)
             q = b.view3(qk, (d, 1, H), (H + Hkv) * d * 4, d * 4)
-            o = b.reshape(_attend(b, q, views, d), H * d, 1)
+            o = b.reshape(b.flash_attn(q, views.read_k, views.read_v, 1.0 / math.sqrt(d)), H * d, 1)
             x = L.mlp(b, x, o)
         logits = self.head.build(b, x)
         return b.finish({"logits": logits}, self.n_threads), all_views

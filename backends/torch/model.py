@@ -485,12 +485,14 @@ class Decoder:
                         # (fp32 KV beside bf16 linears on a CPU), o is in the linears' dtype
                         o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d).to(o.dtype)
                         done.update(rows)
-                for row, ((a, b), parts, cache) in enumerate(zip(bounds, parts_all, caches)):
+                for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
                     if row in done:
                         continue
                     T, N = b - a, sum(K.shape[1] for K, _ in parts)
-                    if ggml and attends_in_ggml(cache, T):   # the kernel this sequence's step uses alone
-                        o[a] = self._row_attention(q[:, a], cache.k[li], cache.v[li], N)
+                    if ggml and T == 1 and len(parts) == 1 and RowAttention.takes(*parts[0]):
+                        # the one-graph step's kernel: a plain full cache's row as alone, and a policy that
+                        # keeps every position attends exactly as full KV does
+                        o[a] = self._row_attention(q[:, a], *parts[0])
                         continue
                     mask = None
                     if T > 1:

@@ -143,6 +143,23 @@ def test_batched_decode_gives_each_row_its_own_logits(ggml_backend):
     np.testing.assert_array_equal(np.stack(alone), np.asarray(together))
 
 
+@pytest.mark.parametrize("policy", ["rkv", "streaming"])
+def test_a_policy_that_keeps_every_position_decodes_as_full_kv(ggml_backend, policy):
+    """Full KV decodes in one ggml graph, a policy's cache through the layers' graphs; with a budget above the
+    context both attend the same positions with the same kernel (:class:`RowAttention`), so bench's fidelity of a
+    policy that evicts nothing is 1.0 and KL 0, not the distance between two attention kernels (0.95 / 0.001
+    when the policy's rows went through torch's)."""
+    from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+
+    be = ggml_backend
+    prompt, forced = list(range(300, 520)), list(range(600, 616))
+    runs = []
+    for backend in (be, be.with_cache_factory(PolicyCacheFactory(PolicySpec(policy, 1024)))):
+        seq = backend.new_sequence()
+        runs.append([backend.prefill(seq, prompt)] + [backend.decode(seq, t) for t in forced])
+    np.testing.assert_array_equal(np.stack(runs[0]), np.stack(runs[1]))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_other_architectures_match_llamacpp(tmp_path, embedded_path, arch):
     """Qwen3 (q/k norms, rows as stored), Qwen2 (q/k/v biases) and llama (rows permuted) tiny files, ggml path
