@@ -9,10 +9,10 @@ GGUF type, reading the file's bytes as they are. This module builds ggml graphs 
 weights point into the GGUF's memory map and whose inputs and outputs point at torch tensors, and runs them on a
 ggml thread pool kept for the process.
 
-Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). Two fields of ``struct ggml_tensor`` are written
-directly: ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and ``ne[1]`` of a
-view over a KV-cache buffer, the number of positions attended, which grows by one a decode step
-(:mod:`.ggml_decode`; the graph was planned at the buffer's full length). The struct's layout is checked against
+Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). Fields of ``struct ggml_tensor`` written directly:
+``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and, of a view over a block of
+keys or values, ``ne[1]`` (the positions attended, one more each decode step) and its strides ``nb[1..3]``
+(:mod:`.ggml_decode`; each graph was planned for the longest such view it takes). The struct's layout is checked against
 ``ggml_get_data``/``ggml_nbytes`` and a view's source and offset on real tensors before anything runs, and a build
 whose layout differs reports itself unavailable rather than guessing.
 
