@@ -123,6 +123,9 @@ class FullKVCache:
     def reserve(self, n: int) -> None:
         """Room for ``n`` positions in every layer's own buffers ``k[layer]``, ``v[layer]`` ([Hkv, capacity, d]),
         for a writer that stores the new tokens itself (:class:`zoomr.backends.torch.ggml_decode.DecodeGraph`)."""
+        last = self.k[-1]
+        if last is not None and n - self.frozen <= last.shape[1]:   # every step but a doubling: nothing to do
+            return
         for layer in range(self.shape[0]):
             self._grow(layer, n - self.frozen)
 

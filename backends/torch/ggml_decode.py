@@ -26,14 +26,14 @@ import torch
 
 from zoomr.kvstore.base import FullKVCache
 
-from .ggml_layers import GgmlEmbedding, GgmlHead, GgmlLayer, GraphCache, qkv_heads
+from .ggml_layers import GgmlEmbedding, GgmlHead, GgmlLayer, GraphCache, rotated_qk
 from .ggml_ops import TYPE_I32, Builder, Graph
 
 
-def attends_in_ggml(cache, rows: int) -> bool:
-    """``cache`` is read by ggml's attention for a ``rows``-token step: a plain full cache of fp32 CPU buffers,
-    no shared parts, one new token."""
-    return (rows == 1 and type(cache) is FullKVCache and cache.frozen == 0
+def attends_in_ggml(cache) -> bool:
+    """A one-token step over ``cache`` can be one :class:`DecodeGraph`: a plain full cache (not a subclass) of fp32
+    CPU buffers, no parts shared with forks."""
+    return (type(cache) is FullKVCache and cache.frozen == 0
             and cache.dtype == torch.float32 and cache.device.type == "cpu")
 
 
@@ -139,7 +139,7 @@ class DecodeGraph:
             heads = L.heads
             H, Hkv, d = heads.n_heads, heads.n_kv_heads, heads.head_dim
             qkv = L.qkv_product(b, x)
-            qk = qkv_heads(b, qkv, 1, heads, pos)
+            qk = rotated_qk(b, qkv, 1, heads, pos)
             views = _CacheViews(b, d, Hkv, cap)
             all_views.append(views)
             # the new position's k and v into the cache, before the attention that reads them

@@ -91,14 +91,15 @@ class GraphCache:
     def __init__(self, build):
         self._build, self._graphs = build, OrderedDict()
 
-    def __call__(self, rows: int) -> Graph:
-        g = self._graphs.get(rows)
+    def __call__(self, key: int):
+        """The graph (whatever ``build`` returns) for ``key``, built on first use."""
+        g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[rows] = self._build(rows)
+            g = self._graphs[key] = self._build(key)
             while len(self._graphs) > _KEEP_SHAPES:
                 self._graphs.popitem(last=False)
         else:
-            self._graphs.move_to_end(rows)
+            self._graphs.move_to_end(key)
         return g
 
 
@@ -177,7 +178,7 @@ def rope_divisors(inv_freq: np.ndarray, base: float) -> np.ndarray | None:
     return None if np.allclose(ratio, 1.0, rtol=0, atol=1e-12) else ratio.astype(np.float32)
 
 
-def qkv_heads(b: Builder, qkv: int, rows: int, heads: Heads, pos: int) -> int:
+def rotated_qk(b: Builder, qkv: int, rows: int, heads: Heads, pos: int) -> int:
     """The fused QKV product (ggml (n_qkv, S)) → q and k rotated, ggml (d, H + Hkv, S): the per-head RMSNorm
     where the model has one, then RoPE, as llama.cpp's graph does."""
     H, Hkv, d = heads.n_heads, heads.n_kv_heads, heads.head_dim
@@ -224,7 +225,7 @@ class GgmlLayer:
 
     def _qkv(self, b: Builder, x: int, pos: int, rows: int) -> dict:
         qkv = self.qkv_product(b, x)
-        return {"qkv": qkv, "qk": (qkv_heads(b, qkv, rows, self.heads, pos), 3)}
+        return {"qkv": qkv, "qk": (rotated_qk(b, qkv, rows, self.heads, pos), 3)}
 
     def _build_in(self, rows: int) -> Graph:
         b = Builder()

@@ -439,7 +439,7 @@ class Decoder:
             s0 += n
         ggml = self._ggml_step is not None
         if (ggml and S == 1 and attention == "per_seq" and not return_hidden
-                and attends_in_ggml(caches[0], 1)):   # one token over a plain full cache: one ggml graph
+                and attends_in_ggml(caches[0])):   # one token over a plain full cache: one ggml graph
             return self._ggml_step(ids, positions, caches[0])
         # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
         # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token

@@ -85,7 +85,7 @@ def test_decoder_matches_llamacpp_teacher_forced(ggml_backend, torch_backend, em
     # flash attention inside; the cache doubles from 256 to 512 positions on the way, a new graph)
     seq = be.new_sequence()
     steps = [be.prefill(seq, ids[:1])]
-    assert attends_in_ggml(seq.cache, 1)
+    assert attends_in_ggml(seq.cache)
     steps += [be.decode(seq, t) for t in ids[1:]]
     assert seq.cache.k[0].shape[1] == 512 and seq.cache.n_tokens == 512
     assert_as_faithful_as_llamacpp(np.stack(steps), ref, exact, "ggml one-graph decode")
