@@ -12,7 +12,10 @@ decode step over a plain full cache runs as one graph instead (:mod:`.ggml_decod
 ggml's ``get_rows``, the final RMSNorm and LM head a ggml graph (:class:`GgmlHead`). Weights are
 the file's bytes (a llama file's Q/K rows reordered to rotate-half order, a copy of those two); each product
 quantizes its activation rows to the weight type's dot-product partner (Q8_0, Q8_1, Q8_K) per row, so a row's
-result does not depend on its batch-mates. Activations and results are fp32.
+result does not depend on its batch-mates. Weights of a type that ggml's CPU backend repacks on this CPU (Q4_0,
+Q4_K, IQ4_NL ...: rows interleaved for its GEMV/GEMM kernels) are copied into that layout once, as llama.cpp
+loads them (:class:`~.ggml_ops.PackedWeight`); those kernels also quantize and sum each row on its own.
+Activations and results are fp32.
 
 Graphs are built per row count S and kept for the most recent few (decode's 1 and a batch size stay built).
 Source: llama.cpp's ``llm_build_llama`` / ``llm_build_qwen3`` graphs (``src/models``), ggml's ops.
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .ggml_ops import TYPE_F32, TYPE_I32, Builder, Graph
+from .ggml_ops import TYPE_F32, TYPE_I32, Builder, Graph, PackedWeight
 
 _KEEP_SHAPES = 4   # row counts whose graphs stay built (decode 1, a batch size, the last prefill lengths)
 
@@ -118,15 +121,18 @@ class GgmlLinear:
         self.parts = _runs(parts) if fuse else list(parts)
         self.bias = None if bias is None else _f32(bias)
         self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
-        self.kind = "/".join(sorted({f"ggml ({p.type_name})" for p in self.parts}))
+        # repacked once here (types this CPU has an interleaved layout for), shared by every graph built later
+        self.packed = [PackedWeight.of(p.data, p.ggml_type, p.shape) for p in self.parts]
+        self.kind = "/".join(sorted({f"ggml ({p.type_name}{' repacked' if pk else ''})"
+                                     for p, pk in zip(self.parts, self.packed)}))
         self.n_threads = n_threads
         self._graphs = GraphCache(self._build)
 
     def project(self, b: Builder, x: int) -> list[int]:
         """The products of ``x`` (a graph tensor [S, K]) with each run, bias added: [S, N_run] each."""
         outs, row = [], 0
-        for p in self.parts:
-            y = b.mul_mat(b.weight(p.data, p.ggml_type, p.shape), x)
+        for p, pk in zip(self.parts, self.packed):
+            y = b.mul_mat(pk.tensor if pk else b.weight(p.data, p.ggml_type, p.shape), x)
             if self.bias is not None:
                 y = b.add(y, b.weight(self.bias[row:row + p.shape[0]], TYPE_F32, (p.shape[0],)))
             outs.append(y)
@@ -145,8 +151,9 @@ class GgmlLinear:
         return ys["y0"] if len(ys) == 1 else torch.cat(list(ys.values()), dim=-1)
 
     def nbytes(self) -> int:
-        """The file's bytes for these rows (plus the bias): what is held."""
-        return sum(p.data.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.nbytes)
+        """Bytes the products read: the file's blocks, or their repacked copy (plus the bias)."""
+        return (sum(pk.nbytes if pk else p.data.nbytes for p, pk in zip(self.parts, self.packed))
+                + (0 if self.bias is None else self.bias.nbytes))
 
 
 @dataclass(frozen=True)

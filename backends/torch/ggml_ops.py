@@ -9,7 +9,10 @@ GGUF type, reading the file's bytes as they are. This module builds ggml graphs 
 weights point into the GGUF's memory map and whose inputs and outputs point at torch tensors, and runs them on a
 ggml thread pool kept for the process.
 
-Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``). Fields of ``struct ggml_tensor`` written directly:
+Weights whose type ggml's CPU backend repacks for this CPU (Q4_0, Q4_K, IQ4_NL ...) are copied once into its
+repacking buffer, as llama.cpp loads them (:class:`PackedWeight`); the others are used in place.
+
+Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``, ``ggml-backend.h``). Fields of ``struct ggml_tensor`` written directly:
 ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and, of a view over a block of
 keys or values, ``ne[1]`` (the positions attended, one more each decode step) and its strides ``nb[1..3]``
 (:mod:`.ggml_decode`; each graph was planned for the longest such view it takes). The struct's layout is checked against
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import ctypes as C
 import functools
+import os
 import sys
 import threading
 from pathlib import Path
@@ -59,6 +63,7 @@ class _PoolParams(C.Structure):
 
 
 _DATA = _Tensor.data.offset
+_LOG_CALLBACK = C.CFUNCTYPE(None, C.c_int, C.c_char_p, P)   # ggml_log_callback
 
 
 def _library(folder: Path, stem: str) -> C.CDLL:
@@ -101,13 +106,43 @@ class _Lib:
             (cpu, "ggml_graph_plan"): ([P, C.c_int, P], _CPlan),
             (cpu, "ggml_graph_compute"): ([P, C.POINTER(_CPlan)], C.c_int),
             (cpu, "ggml_cpu_init"): ([], None),
+            # ggml-backend: the CPU backend's repacking buffer type (llama.cpp's CPU_REPACK weights)
+            (cpu, "ggml_backend_cpu_reg"): ([], P),
+            (base, "ggml_backend_reg_dev_get"): ([P, C.c_size_t], P),
+            (base, "ggml_backend_reg_get_proc_address"): ([P, C.c_char_p], P),
+            (base, "ggml_backend_buft_name"): ([P], C.c_char_p),
+            (base, "ggml_backend_alloc_ctx_tensors_from_buft"): ([P, P], P),
+            (base, "ggml_backend_buffer_free"): ([P], None),
+            (base, "ggml_backend_buffer_get_size"): ([P], C.c_size_t),
+            (base, "ggml_backend_tensor_set"): ([P, P, C.c_size_t, C.c_size_t], None),
+            (base, "ggml_log_set"): ([P, P], None),
         }
         for (lib, name), (args, res) in sig.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
             setattr(self, name.removeprefix("ggml_"), fn)
+        # the ggml these files hold may be a copy of its own beside llama.cpp's (file names differ), with a log
+        # of its own: silenced as llama.cpp's is (ZOOMR_DEBUG=1 keeps it)
+        if os.environ.get("ZOOMR_DEBUG", "") in ("", "0"):
+            self._quiet = _LOG_CALLBACK(lambda level, text, data: None)
+            self.log_set(C.cast(self._quiet, P), None)
         self.cpu_init()
         self._check_layout()
+
+    @functools.cached_property
+    def repack_buft(self) -> int | None:
+        """The CPU backend's ``CPU_REPACK`` buffer type, or None where this build has none."""
+        reg = self.backend_cpu_reg()
+        get = reg and self.backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+        if not get:
+            return None
+        bufts = C.CFUNCTYPE(C.POINTER(P), P)(get)(self.backend_reg_dev_get(reg, 0))
+        i = 0
+        while bufts and bufts[i]:
+            if self.backend_buft_name(bufts[i]) == b"CPU_REPACK":
+                return bufts[i]
+            i += 1
+        return None
 
     def _check_layout(self) -> None:
         # a real allocated tensor: our struct must find its sizes and data pointer where ggml keeps them
@@ -156,6 +191,59 @@ def thread_pool(n_threads: int) -> int:
             params = lib().threadpool_params_default(n_threads)
             _pools[n_threads] = lib().threadpool_new(C.byref(params))
         return _pools[n_threads]
+
+
+def _repack_wanted() -> bool:
+    return os.environ.get("ZOOMR_GGML_REPACK", "1") not in ("0", "false", "no", "off")
+
+
+class PackedWeight:
+    """A weight copied once into ggml's CPU repacking buffer, in the interleaved layout that ggml's CPU backend
+    picks for this CPU and type (Q4_0 and Q4_K as 8 rows × 8 bytes on AVX2/AVX512, IQ4_NL, Q2_K ...), which
+    its ``mul_mat`` multiplies with dedicated GEMV/GEMM kernels. It is what llama.cpp loads by default (its
+    ``CPU_REPACK`` buffer; ``--no-repack`` turns it off). Used as a ``mul_mat`` operand only (not ``get_rows``).
+
+    Build with :meth:`of`; the tensor lives as long as this object.
+
+    Attributes:
+        tensor: the ggml tensor, ggml shape (K, N); nbytes: bytes of its buffer.
+    """
+
+    def __init__(self, ctx: int, buffer: int, tensor: int):
+        self._ctx, self._buffer, self.tensor = ctx, buffer, tensor
+        self.nbytes = lib().backend_buffer_get_size(buffer)
+
+    @staticmethod
+    def of(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> "PackedWeight | None":
+        """``data`` ([N, row bytes], C-contiguous, the file's blocks) repacked, or None where this CPU has no
+        repacked layout for the type and shape (Q4_1, Q5_0, Q8_0, K-quants other than Q2_K/Q4_K on x86 ...), the
+        build has no repacking buffer, or ``ZOOMR_GGML_REPACK=0`` asks for the file's layout.
+
+        Source: ggml-cpu's ``repack.cpp`` (``ggml_backend_cpu_repack_buffer_type``), as llama.cpp's loader uses it.
+        """
+        L = lib()
+        if len(shape) != 2 or not data.flags.c_contiguous or not _repack_wanted() or L.repack_buft is None:
+            return None
+        ctx = L.init(_InitParams(L.tensor_overhead() * 2, None, True))
+        t = L.new_tensor_2d(ctx, ggml_type, shape[1], shape[0])
+        buf = L.backend_alloc_ctx_tensors_from_buft(ctx, L.repack_buft) if L.nbytes(t) == data.nbytes else None
+        # the buffer's init marks a tensor it has a layout for (``extra``: the repacking kernels); the others
+        # would be stored as they are, which the plain tensor over the file's bytes already does
+        if not buf or not _Tensor.from_address(t).extra:
+            if buf:
+                L.backend_buffer_free(buf)
+            L.free(ctx)
+            return None
+        L.backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+        return PackedWeight(ctx, buf, t)
+
+    def __del__(self):
+        try:
+            L = lib()
+            L.backend_buffer_free(self._buffer)
+            L.free(self._ctx)
+        except Exception:   # interpreter shutdown: the library may be gone already
+            pass
 
 
 class Builder:

@@ -28,7 +28,7 @@ import torch
 from zoomr.backends.machine_cache import cpu_name, lookup, store
 
 CACHE_FILE = "quant_probe.json"
-PROBE_VERSION = 3      # part of the cache key: a changed measurement does not read the old one's verdicts
+PROBE_VERSION = 4      # part of the cache key: a changed measurement does not read the old one's verdicts
 PROBE_LAYERS = 4
 PROBE_CONTEXT = 256
 PROBE_BATCH = 8
