@@ -72,9 +72,10 @@ def _plan_length(n: int) -> int:
 
 
 class RowAttention:
-    """Attention of one new token over one (K, V) pair with ggml's kernel, for a row of a batched or per-layer
+    """Attention of one new token over one (K, V) pair with ggml's kernel, for rows of a batched or per-layer
     forward (see the module docstring): the one-graph decode step's kernel, so a plain full cache's row gets the
-    same bits either way, and a policy that evicts nothing attends exactly as full KV does.
+    same bits either way, and a policy that evicts nothing attends exactly as full KV does. A batch's rows run
+    in one graph (one flash attention op each: the same kernel on the same shapes as a row alone).
 
     Args:
         n_heads, n_kv_heads, head_dim: H, Hkv, d; n_threads: ggml threads.
@@ -84,13 +85,18 @@ class RowAttention:
         self.H, self.Hkv, self.d, self.n_threads = n_heads, n_kv_heads, head_dim, n_threads
         self._graphs = GraphCache(self._build)
 
-    def _build(self, length: int):
-        b = Builder()
+    def _build(self, lengths: tuple[int, ...]):
+        b = Builder(16 * len(lengths) + 16)
         H, Hkv, d = self.H, self.Hkv, self.d
-        q = b.view3(b.input("q", H, d), (d, 1, H), H * d * 4, d * 4)
-        roots = [b.external((d, length, Hkv)) for _ in range(2)]
-        k, v = (b.view3(r, (d, length, Hkv), d * 4, length * d * 4) for r in roots)
-        return b.finish({"o": b.flash_attn(q, k, v, 1.0 / math.sqrt(d))}, self.n_threads), roots, (k, v)
+        q = b.input("q", len(lengths), H * d)
+        outs, rows = {}, []
+        for i, length in enumerate(lengths):
+            qi = b.view3(q, (d, 1, H), H * d * 4, d * 4, i * H * d * 4)
+            roots = [b.external((d, length, Hkv)) for _ in range(2)]
+            k, v = (b.view3(r, (d, length, Hkv), d * 4, length * d * 4) for r in roots)
+            outs[f"o{i}"] = b.flash_attn(qi, k, v, 1.0 / math.sqrt(d))
+            rows.append((roots, (k, v)))
+        return b.finish(outs, self.n_threads), rows
 
     @staticmethod
     def takes(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -101,17 +107,24 @@ class RowAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [H, d] float32 (rotated) attending every position of k, v [Hkv, n, d] (:meth:`takes`) → [H·d] float32."""
-        graph, roots, views = self._graphs(_plan_length(k.shape[1]))
+        return self.rows(q[None], [(k, v)])[0]
+
+    def rows(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Row i's query q[i] ([B, H, d] float32, rotated) attending every position of its own ``kv[i]`` (k, v
+        [Hkv, n_i, d], :meth:`takes`), all in one graph → B tensors [H·d] float32."""
+        graph, rows = self._graphs(tuple(_plan_length(k.shape[1]) for k, _ in kv))
 
         def point():
-            for root, view, t in zip(roots, views, (k, v)):
-                Graph.fields(root).data = t.data_ptr()
-                f = Graph.fields(view)
-                f.ne[1] = t.shape[1]
-                f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
-                f.nb[3] = f.nb[2] * t.shape[0]
+            for (roots, views), pair in zip(rows, kv):
+                for root, view, t in zip(roots, views, pair):
+                    Graph.fields(root).data = t.data_ptr()
+                    f = Graph.fields(view)
+                    f.ne[1] = t.shape[1]
+                    f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
+                    f.nb[3] = f.nb[2] * t.shape[0]
 
-        return graph.run(point, q=q.contiguous())["o"].view(-1)
+        out = graph.run(point, q=q.reshape(q.shape[0], -1).contiguous())
+        return [out[f"o{i}"].view(-1) for i in range(len(kv))]
 
 
 class DecodeGraph:

@@ -485,15 +485,21 @@ class Decoder:
                         # (fp32 KV beside bf16 linears on a CPU), o is in the linears' dtype
                         o[rows] = ob.transpose(0, 1).reshape(len(rows), H * d).to(o.dtype)
                         done.update(rows)
+                if ggml:
+                    # the one-graph step's kernel, every such row in one graph: a plain full cache's row as alone,
+                    # and a policy that keeps every position attends exactly as full KV does
+                    rows = [r for r, ((a, b), parts) in enumerate(zip(bounds, parts_all))
+                            if r not in done and b - a == 1 and len(parts) == 1 and RowAttention.takes(*parts[0])]
+                    if rows:
+                        at = [bounds[r][0] for r in rows]
+                        outs = self._row_attention.rows(q[:, at].transpose(0, 1), [parts_all[r][0] for r in rows])
+                        for a, ob in zip(at, outs):
+                            o[a] = ob
+                        done.update(rows)
                 for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
                     if row in done:
                         continue
                     T, N = b - a, sum(K.shape[1] for K, _ in parts)
-                    if ggml and T == 1 and len(parts) == 1 and RowAttention.takes(*parts[0]):
-                        # the one-graph step's kernel: a plain full cache's row as alone, and a policy that
-                        # keeps every position attends exactly as full KV does
-                        o[a] = self._row_attention(q[:, a], *parts[0])
-                        continue
                     mask = None
                     if T > 1:
                         # the T new tokens are the last T of the N attended: causal within them
