@@ -360,11 +360,32 @@ class Builder:
         return Graph(self, g, outputs, n_threads)
 
 
+class _Scratch:
+    """Memory for graph intermediates and work buffers, one block for the process: only one graph computes at a
+    time (``_compute_lock``), and nothing in it outlives a compute. It grows to the largest graph run so far."""
+
+    def __init__(self):
+        self._buf = np.empty(0, np.uint8)
+        self.base = 0
+
+    def ensure(self, nbytes: int) -> int:
+        """The 64-aligned base address of at least ``nbytes`` bytes (moves when it grows)."""
+        if self._buf.nbytes < nbytes + _ALIGN:
+            self._buf = np.empty(nbytes + nbytes // 4 + _ALIGN, np.uint8)
+            self.base = -(-self._buf.ctypes.data // _ALIGN) * _ALIGN
+        return self.base
+
+
+_scratch = _Scratch()
+
+
 class Graph:
     """A built ggml graph: :meth:`run` binds torch inputs, computes on the thread pool and returns the outputs.
 
-    Intermediates live in an arena of the graph's own (bytes: the sum of their sizes, 64-aligned); the plan's
-    work buffer (activations quantized to the weights' dot-product type) is the graph's too.
+    Intermediates (bytes: the sum of their sizes, 64-aligned) and the plan's work buffer (activations quantized
+    to the weights' dot-product type) live in memory shared by every graph of the process, placed at each run
+    where it moved: a graph per prompt length used to fault in arenas of its own, hundreds of MB for a batched
+    prefill.
     """
 
     def __init__(self, b: Builder, g: int, outputs: dict[str, int], n_threads: int):
@@ -377,23 +398,21 @@ class Graph:
             raise ValueError("a ggml graph output must be an op's own result, not a view")
         # a view has no memory of its own: it points into its source's (ggml keeps the root and the offset)
         temps = [t for t in b.temps if t not in out_ids and not _Tensor.from_address(t).view_src]
-        sizes = [-(-L.nbytes(t) // _ALIGN) * _ALIGN for t in temps]
-        self.arena = np.empty(max(sum(sizes), 1) + _ALIGN, np.uint8)
-        at = -(-self.arena.ctypes.data // _ALIGN) * _ALIGN
-        for t, n in zip(temps, sizes):
-            P.from_address(t + _DATA).value = at
-            at += n
+        self._temps: list[tuple[C.c_void_p, int]] = []
+        at = 0
+        for t in temps:
+            self._temps.append((P.from_address(t + _DATA), at))
+            at += -(-L.nbytes(t) // _ALIGN) * _ALIGN
         placed = set(temps)
-        # views of arena tensors are placed now; views of inputs, outputs and external memory follow their
-        # root at every run
+        # views of intermediates move with the scratch memory; views of inputs, outputs and external memory
+        # follow their root at every run
+        self._temp_views: list[tuple[C.c_void_p, C.c_void_p, int]] = []
         self._views: list[tuple[C.c_void_p, C.c_void_p, int]] = []
         for t in b.temps:
             s = _Tensor.from_address(t)
             if s.view_src and t not in out_ids:
-                if s.view_src in placed:
-                    s.data = _Tensor.from_address(s.view_src).data + s.view_offs
-                else:
-                    self._views.append((P.from_address(t + _DATA), P.from_address(s.view_src + _DATA), s.view_offs))
+                entry = (P.from_address(t + _DATA), P.from_address(s.view_src + _DATA), s.view_offs)
+                (self._temp_views if s.view_src in placed else self._views).append(entry)
         self._in = {}
         for k, t in b.inputs.items():
             s = _Tensor.from_address(t)
@@ -402,9 +421,18 @@ class Graph:
         self._out = {k: (P.from_address(t + _DATA), tuple(reversed(_Tensor.from_address(t).ne[:dims[k][1]])))
                      for k, t in outputs.items()}
         self._plan = L.graph_plan(g, n_threads, thread_pool(n_threads))
-        self._work = np.empty(max(self._plan.work_size, 1), np.uint8)
-        self._plan.work_data = self._work.ctypes.data
+        self._arena_bytes = at
+        self._scratch_bytes = at + -(-self._plan.work_size // _ALIGN) * _ALIGN
+        self._placed_at = None
         self._plan_ref = C.byref(self._plan)
+
+    def _place(self, base: int) -> None:
+        for field, offset in self._temps:
+            field.value = base + offset
+        for view, root, offset in self._temp_views:
+            view.value = root.value + offset
+        self._plan.work_data = base + self._arena_bytes
+        self._placed_at = base
 
     def run(self, prepare=None, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Compute once. Inputs: contiguous CPU tensors of the declared shapes (float32; int32 for ids).
@@ -423,6 +451,9 @@ class Graph:
                 raise ValueError(f"ggml graph input {k}: expected a contiguous CPU {dtype} tensor {shape}, got "
                                  f"{x.dtype} {tuple(x.shape)}")
         with _compute_lock:   # the pointers belong to this call until the compute ends
+            base = _scratch.ensure(self._scratch_bytes)
+            if base != self._placed_at:
+                self._place(base)
             if prepare is not None:
                 prepare()
             for k, x in inputs.items():
