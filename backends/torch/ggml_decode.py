@@ -31,39 +31,16 @@ from .ggml_ops import TYPE_I32, Builder, Graph
 
 
 def attends_in_ggml(cache) -> bool:
-    """A one-token step over ``cache`` can be one :class:`DecodeGraph`: a plain full cache (not a subclass) of fp32
-    CPU buffers, no parts shared with forks."""
-    return (type(cache) is FullKVCache and cache.frozen == 0
-            and cache.dtype == torch.float32 and cache.device.type == "cpu")
+    """A one-token step over ``cache`` can be one :class:`DecodeGraph`: a full cache (not a subclass: a policy's
+    or a scoring fork's) of fp32 CPU buffers, its own positions and any frozen parts it shares with forks."""
+    return (type(cache) is FullKVCache and cache.dtype == torch.float32 and cache.device.type == "cpu"
+            and all(_takes(k, v) for k, v in cache.parts[0]))
 
 
-class _CacheViews:
-    """One layer's K and V buffers as graph tensors: where the new position is written and what is attended.
-
-    Shapes are ggml's: a buffer [Hkv, cap, d] is ne (d, cap, Hkv)."""
-
-    def __init__(self, b: Builder, d: int, n_kv: int, cap: int):
-        nb1, nb2 = d * 4, cap * d * 4
-        self.cap = cap
-        self.roots = [b.external((d, cap, n_kv)) for _ in range(4)]   # K write, V write, K read, V read
-        self.write_k, self.write_v = (b.view3(r, (d, 1, n_kv), nb1, nb2) for r in self.roots[:2])
-        # planned at the full capacity: the compute's work buffer is sized for the longest attention it may run
-        self.read_k, self.read_v = (b.view3(r, (d, cap, n_kv), nb1, nb2) for r in self.roots[2:])
-
-    def point(self, k: torch.Tensor, v: torch.Tensor, n: int) -> None:
-        """Aim at buffers ``k``, ``v`` ([Hkv, cap, d] float32) holding ``n`` positions; the step writes position n
-        and attends n + 1.
-
-        Raises:
-            RuntimeError: buffers of another capacity than the graph's (its strides would miss their rows).
-        """
-        if k.shape[1] != self.cap or v.shape[1] != self.cap:
-            raise RuntimeError(f"KV buffers of {k.shape[1]} positions under a graph built for {self.cap}")
-        row = n * k.shape[2] * 4
-        for root, ptr in zip(self.roots, (k.data_ptr() + row, v.data_ptr() + row, k.data_ptr(), v.data_ptr())):
-            Graph.fields(root).data = ptr
-        for t in (self.read_k, self.read_v):
-            Graph.fields(t).ne[1] = n + 1
+def _takes(k: torch.Tensor, v: torch.Tensor) -> bool:
+    # what ggml's kernel reads: float32 CPU tensors [Hkv, n, d] with contiguous rows (any head/position strides)
+    return (k.dtype == v.dtype == torch.float32 and k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and k.stride(2) == v.stride(2) == 1)
 
 
 def _plan_length(n: int) -> int:
@@ -71,11 +48,86 @@ def _plan_length(n: int) -> int:
     return max(256, 1 << (n - 1).bit_length())
 
 
+class _Attention:
+    """One new token's attention over one or more blocks of K/V positions, in position order, as graph ops.
+
+    One block (a plain cache, a policy's selection): ggml's ``flash_attn_ext`` over it. Several (a fork: the
+    frozen parts it shares, then its own positions): per block the scores ``K·q`` (``mul_mat``), one softmax over
+    all of them, per block the values weighted by theirs (``out_prod``), summed: no block is copied. Every block
+    is an external root seen through a view whose strides (and, for the last, length) are written per run.
+
+    The blocks' lengths are the graph's: all but the last exactly (a fork's parts do not change), the last
+    planned (the most positions a run may attend there; work and scratch are sized for it).
+
+    Args:
+        b: the graph builder; q: the query, ggml (d, 1, H); heads: (H, Hkv, d); lengths: see above.
+    Attributes:
+        out: the attention output, ggml (H·d, 1); result: the op computing it (a graph output: 3-D, H·d values).
+    """
+
+    def __init__(self, b: Builder, q: int, heads: tuple[int, int, int], lengths: tuple[int, ...]):
+        H, Hkv, d = heads
+        scale = 1.0 / math.sqrt(d)
+        self.lengths = lengths
+        self.roots = [[b.external((d, n, Hkv)) for n in lengths] for _ in range(2)]
+        self.views = [[b.view3(r, (d, n, Hkv), d * 4, n * d * 4) for r, n in zip(rs, lengths)] for rs in self.roots]
+        self._last: list[tuple[int, int, int]] = []   # (tensor, dim, positions before the last block) per run
+        if len(lengths) == 1:
+            self.result = b.flash_attn(q, self.views[0][0], self.views[1][0], scale)
+            self.out = b.reshape(self.result, H * d, 1)
+            return
+        q = b.cont(q)   # one layout for a decode step's q and a batch row's: the same kernel for both
+        scores = [b.mul_mat(k, q) for k in self.views[0]]                 # (n_i, 1, H) each
+        joined = scores[0]
+        for t in scores[1:]:
+            joined = b.concat(joined, t, 0)
+        probs = b.soft_max(joined, scale)
+        total, before = sum(lengths), sum(lengths[:-1])
+        by_position = b.reshape(probs, 1, total, H)
+        out, at = None, 0
+        for v, n in zip(self.views[1], lengths):
+            weights = b.view3(by_position, (1, n, H), 4, total * 4, at * 4)
+            part = b.out_prod(v, weights)                                 # (d, 1, H)
+            out = part if out is None else b.add(out, part)
+            at += n
+        self.result, self.out = out, b.reshape(out, H * d, 1)
+        # what follows the last block's length (rows stay at the planned strides)
+        self._last = [(scores[-1], 0, 0), (joined, 0, before), (probs, 0, before), (weights, 1, 0)]
+
+    def point(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Aim at ``blocks`` ([(K, V)], each [Hkv, n_i, d], :func:`_takes`): the graph's lengths, the last one's
+        at most planned.
+
+        Raises:
+            RuntimeError: blocks of other lengths than the graph's.
+        """
+        n = blocks[-1][0].shape[1]
+        if (len(blocks) != len(self.lengths) or n > self.lengths[-1]
+                or any(k.shape[1] != m for (k, _), m in zip(blocks[:-1], self.lengths))):
+            raise RuntimeError(f"K/V blocks of {[k.shape[1] for k, _ in blocks]} positions under a graph for "
+                               f"{list(self.lengths)}")
+        for side in (0, 1):
+            for root, view, pair in zip(self.roots[side], self.views[side], blocks):
+                t = pair[side]
+                Graph.fields(root).data = t.data_ptr()
+                f = Graph.fields(view)
+                f.ne[1] = t.shape[1]
+                f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
+                f.nb[3] = f.nb[2] * t.shape[0]
+        for t, dim, before in self._last:
+            Graph.fields(t).ne[dim] = before + n
+
+
+def _lengths(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
+    # a graph's block lengths (see _Attention): the fixed blocks exactly, the last one planned
+    return (*(k.shape[1] for k, _ in blocks[:-1]), _plan_length(blocks[-1][0].shape[1]))
+
+
 class RowAttention:
-    """Attention of one new token over one (K, V) pair with ggml's kernel, for rows of a batched or per-layer
-    forward (see the module docstring): the one-graph decode step's kernel, so a plain full cache's row gets the
-    same bits either way, and a policy that evicts nothing attends exactly as full KV does. A batch's rows run
-    in one graph (one flash attention op each: the same kernel on the same shapes as a row alone).
+    """Attention of one new token over its cache's blocks with ggml's kernel, for rows of a batched or per-layer
+    forward (see the module docstring): the one-graph decode step's ops, so a full cache's row (a fork's too)
+    gets the same bits either way, and a policy that evicts nothing attends exactly as full KV does. A batch's
+    rows run in one graph (one flash attention op each: the same kernel on the same shapes as a row alone).
 
     Args:
         n_heads, n_kv_heads, head_dim: H, Hkv, d; n_threads: ggml threads.
@@ -85,46 +137,30 @@ class RowAttention:
         self.H, self.Hkv, self.d, self.n_threads = n_heads, n_kv_heads, head_dim, n_threads
         self._graphs = GraphCache(self._build)
 
-    def _build(self, lengths: tuple[int, ...]):
-        b = Builder(16 * len(lengths) + 16)
+    def _build(self, plans: tuple[tuple[int, ...], ...]):
+        b = Builder(16 + sum(8 + 12 * len(p) for p in plans))
         H, Hkv, d = self.H, self.Hkv, self.d
-        q = b.input("q", len(lengths), H * d)
+        q = b.input("q", len(plans), H * d)
         outs, rows = {}, []
-        for i, length in enumerate(lengths):
-            qi = b.view3(q, (d, 1, H), H * d * 4, d * 4, i * H * d * 4)
-            roots = [b.external((d, length, Hkv)) for _ in range(2)]
-            k, v = (b.view3(r, (d, length, Hkv), d * 4, length * d * 4) for r in roots)
-            outs[f"o{i}"] = b.flash_attn(qi, k, v, 1.0 / math.sqrt(d))
-            rows.append((roots, (k, v)))
+        for i, lengths in enumerate(plans):
+            att = _Attention(b, b.view3(q, (d, 1, H), H * d * 4, d * 4, i * H * d * 4), (H, Hkv, d), lengths)
+            outs[f"o{i}"] = (att.result, 3)
+            rows.append(att)
         return b.finish(outs, self.n_threads), rows
 
-    @staticmethod
-    def takes(k: torch.Tensor, v: torch.Tensor) -> bool:
-        """``k`` and ``v`` ([Hkv, n, d]) are float32 CPU tensors whose rows are contiguous (any head and position
-        strides): what the kernel reads."""
-        return (k.dtype == v.dtype == torch.float32 and k.device.type == v.device.type == "cpu"
-                and k.shape == v.shape and k.stride(2) == v.stride(2) == 1)
+    takes = staticmethod(_takes)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [H, d] float32 (rotated) attending every position of k, v [Hkv, n, d] (:meth:`takes`) → [H·d] float32."""
-        return self.rows(q[None], [(k, v)])[0]
-
-    def rows(self, q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Row i's query q[i] ([B, H, d] float32, rotated) attending every position of its own ``kv[i]`` (k, v
-        [Hkv, n_i, d], :meth:`takes`), all in one graph → B tensors [H·d] float32."""
-        graph, rows = self._graphs(tuple(_plan_length(k.shape[1]) for k, _ in kv))
+    def rows(self, q: torch.Tensor, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[torch.Tensor]:
+        """Row i's query q[i] ([B, H, d] float32, rotated) attending every position of its own ``blocks[i]``
+        ([(K, V)] in position order, each [Hkv, n, d], :meth:`takes`), all in one graph → B tensors [H·d] float32."""
+        graph, rows = self._graphs(tuple(_lengths(bl) for bl in blocks))
 
         def point():
-            for (roots, views), pair in zip(rows, kv):
-                for root, view, t in zip(roots, views, pair):
-                    Graph.fields(root).data = t.data_ptr()
-                    f = Graph.fields(view)
-                    f.ne[1] = t.shape[1]
-                    f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
-                    f.nb[3] = f.nb[2] * t.shape[0]
+            for att, bl in zip(rows, blocks):
+                att.point(bl)
 
         out = graph.run(point, q=q.reshape(q.shape[0], -1).contiguous())
-        return [out[f"o{i}"].view(-1) for i in range(len(kv))]
+        return [out[f"o{i}"].view(-1) for i in range(len(blocks))]
 
 
 class DecodeGraph:
@@ -141,9 +177,10 @@ class DecodeGraph:
         self.n_threads = n_threads
         self._graphs = GraphCache(self._build)
 
-    def _build(self, cap: int):
-        # a layer makes about 50 graph tensors (more with biases, q/k norms, mixed weight types)
-        b = Builder(64 + 64 * len(self.layers))
+    def _build(self, key: tuple[int, tuple[int, ...]]):
+        cap, parts = key
+        # a layer makes about 50 graph tensors (more with biases, q/k norms, mixed weight types, shared parts)
+        b = Builder(64 + (64 + 12 * len(parts)) * len(self.layers))
         t = self.embed.table
         x = b.get_rows(b.weight(t.data, t.ggml_type, t.shape), b.input("ids", 1, 1, TYPE_I32))
         pos = b.input("pos", 1, 1, TYPE_I32)
@@ -153,29 +190,41 @@ class DecodeGraph:
             H, Hkv, d = heads.n_heads, heads.n_kv_heads, heads.head_dim
             qkv = L.qkv_product(b, x)
             qk = rotated_qk(b, qkv, 1, heads, pos)
-            views = _CacheViews(b, d, Hkv, cap)
-            all_views.append(views)
-            # the new position's k and v into the cache, before the attention that reads them
-            b.copy_into(b.view3(qk, (d, 1, Hkv), (H + Hkv) * d * 4, d * 4, H * d * 4), views.write_k)
+            # the new position's k and v, written into the cache's own buffers before the attention reads them
+            writes = [b.view3(b.external((d, cap, Hkv)), (d, 1, Hkv), d * 4, cap * d * 4) for _ in range(2)]
+            b.copy_into(b.view3(qk, (d, 1, Hkv), (H + Hkv) * d * 4, d * 4, H * d * 4), writes[0])
             n_qkv = (H + 2 * Hkv) * d
-            b.copy_into(b.view3(qkv, (d, 1, Hkv), n_qkv * 4, d * 4, (H + Hkv) * d * 4), views.write_v)
-            q = b.view3(qk, (d, 1, H), (H + Hkv) * d * 4, d * 4)
-            o = b.reshape(b.flash_attn(q, views.read_k, views.read_v, 1.0 / math.sqrt(d)), H * d, 1)
-            x = L.mlp(b, x, o)
+            b.copy_into(b.view3(qkv, (d, 1, Hkv), n_qkv * 4, d * 4, (H + Hkv) * d * 4), writes[1])
+            # the own buffer planned at its capacity: the work buffer is sized for the longest attention it may run
+            att = _Attention(b, b.view3(qk, (d, 1, H), (H + Hkv) * d * 4, d * 4), (H, Hkv, d), parts + (cap,))
+            all_views.append((writes, att))
+            x = L.mlp(b, x, att.out)
         logits = self.head.build(b, x)
         return b.finish({"logits": logits}, self.n_threads), all_views
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: FullKVCache) -> torch.Tensor:
         """One step: token, position [1] int64 → logits [1, vocab] float32.
 
-        ``cache`` is a plain full cache (:func:`attends_in_ggml`), grown here to hold the new position and written by
-        the graph; its ``end_forward`` is the caller's, as after any forward."""
-        n = cache.n_tokens
+        ``cache`` is a full cache (:func:`attends_in_ggml`), grown here to hold the new position and written by the
+        graph; its ``end_forward`` is the caller's, as after any forward.
+
+        Raises:
+            RuntimeError: buffers of another capacity than the graph's (its strides would miss their rows).
+        """
+        n, own = cache.n_tokens, cache.n_tokens - cache.frozen
         cache.reserve(n + 1)
-        graph, all_views = self._graphs(cache.k[0].shape[1] if self.layers else 0)
+        cap = cache.k[0].shape[1] if self.layers else 0
+        graph, all_views = self._graphs((cap, tuple(k.shape[1] for k, _ in cache.parts[0])))
 
         def point():
-            for li, views in enumerate(all_views):
-                views.point(cache.k[li], cache.v[li], n)
+            for li, (writes, att) in enumerate(all_views):
+                k, v = cache.k[li], cache.v[li]
+                if k.shape[1] != cap or v.shape[1] != cap:
+                    raise RuntimeError(f"KV buffers of {k.shape[1]} positions under a graph built for {cap}")
+                row = own * k.shape[2] * 4
+                for w, buf in zip(writes, (k, v)):
+                    f = Graph.fields(w)
+                    Graph.fields(f.view_src).data = buf.data_ptr() + row
+                att.point([*cache.parts[li], (k[:, :own + 1], v[:, :own + 1])])
 
         return graph.run(point, ids=token.to(torch.int32), pos=position.to(torch.int32))["logits"]

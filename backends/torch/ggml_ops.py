@@ -5,7 +5,8 @@ llama.cpp multiplies a quantized weight block by an activation block quantized o
 torch has no CPU kernel that takes a scale per 32 weights with int8 activations, and its int4 kernel computes
 in bf16, which AVX2 CPUs lack. The ggml library that llama-cpp-python already ships has those kernels, for every
 GGUF type, reading the file's bytes as they are. This module builds ggml graphs (``mul_mat``, ``rms_norm``,
-``silu``, ``mul``, ``add``, ``get_rows``, ``concat``, ``rope_ext``, ``flash_attn_ext``, ``cpy`` and views) whose
+``silu``, ``mul``, ``add``, ``get_rows``, ``concat``, ``rope_ext``, ``flash_attn_ext``, ``soft_max_ext``,
+``out_prod``, ``cpy``, ``cont`` and views) whose
 weights point into the GGUF's memory map and whose inputs and outputs point at torch tensors, and runs them on a
 ggml thread pool kept for the process.
 
@@ -95,6 +96,8 @@ class _Lib:
             (base, "ggml_rope_ext"): ([P, P, P, P, C.c_int, C.c_int, C.c_int] + [C.c_float] * 6, P),
             (base, "ggml_flash_attn_ext"): ([P, P, P, P, P, C.c_float, C.c_float, C.c_float], P),
             (base, "ggml_mul_mat"): ([P, P, P], P), (base, "ggml_add"): ([P, P, P], P),
+            (base, "ggml_soft_max_ext"): ([P, P, P, C.c_float, C.c_float], P),
+            (base, "ggml_out_prod"): ([P, P, P], P), (base, "ggml_cont"): ([P, P], P),
             (base, "ggml_mul"): ([P, P, P], P), (base, "ggml_silu"): ([P, P], P),
             (base, "ggml_rms_norm"): ([P, P, C.c_float], P), (base, "ggml_get_rows"): ([P, P, P], P),
             (base, "ggml_new_graph_custom"): ([P, C.c_size_t, C.c_bool], P),
@@ -327,9 +330,10 @@ class Builder:
         fn = self.L.reshape_2d if len(ne) == 2 else self.L.reshape_3d
         return self._op(fn(self.ctx, a, *ne))
 
-    def concat(self, a: int, b: int) -> int:
-        """``a`` and ``b`` ([S, Na] and [S, Nb]) side by side → [S, Na + Nb]."""
-        return self._op(self.L.concat(self.ctx, a, b, 0))
+    def concat(self, a: int, b: int, dim: int = 0) -> int:
+        """``a`` then ``b`` along ggml dimension ``dim`` (the others equal; 0: [S, Na] and [S, Nb] side by side →
+        [S, Na + Nb]); the inputs may be strided views."""
+        return self._op(self.L.concat(self.ctx, a, b, dim))
 
     def copy_into(self, a: int, dst: int) -> int:
         """Copy ``a`` into ``dst`` (same element count), ordered before every op built after it."""
@@ -347,6 +351,19 @@ class Builder:
         """Softmax attention without a mask (every key visible): q ggml (d, S, H), k and v (d, n, Hkv) with
         H a multiple of Hkv (grouped-query) → (d, H, S)."""
         return self._op(self.L.flash_attn_ext(self.ctx, q, k, v, None, scale, 0.0, 0.0))
+
+    def soft_max(self, a: int, scale: float) -> int:
+        """``softmax(scale · a)`` along ggml dimension 0 (each row), no mask → a's shape."""
+        return self._op(self.L.soft_max_ext(self.ctx, a, None, scale, 0.0))
+
+    def out_prod(self, a: int, b: int) -> int:
+        """Σ over ggml dimension 1 of a's columns times b's: a (m, n, A), b (p, n, B) with B a multiple of A
+        (grouped: slice j of b pairs with slice j // (B/A) of a) → (m, p, B)."""
+        return self._op(self.L.out_prod(self.ctx, a, b))
+
+    def cont(self, a: int) -> int:
+        """A contiguous copy of ``a`` (a strided view)."""
+        return self._op(self.L.cont(self.ctx, a))
 
     def finish(self, outputs: dict[str, int | tuple[int, int]], n_threads: int) -> "Graph":
         """The graph computing ``outputs`` (each an op's result, written into a fresh torch tensor per run; a

@@ -488,11 +488,13 @@ class Decoder:
                 if ggml:
                     # the one-graph step's kernel, every such row in one graph: a plain full cache's row as alone,
                     # and a policy that keeps every position attends exactly as full KV does
+                    # (several blocks only for a full cache's fork: a policy's parts stay with torch's merge)
                     rows = [r for r, ((a, b), parts) in enumerate(zip(bounds, parts_all))
-                            if r not in done and b - a == 1 and len(parts) == 1 and RowAttention.takes(*parts[0])]
+                            if r not in done and b - a == 1 and all(RowAttention.takes(*p) for p in parts)
+                            and (len(parts) == 1 or attends_in_ggml(caches[r]))]
                     if rows:
                         at = [bounds[r][0] for r in rows]
-                        outs = self._row_attention.rows(q[:, at].transpose(0, 1), [parts_all[r][0] for r in rows])
+                        outs = self._row_attention.rows(q[:, at].transpose(0, 1), [parts_all[r] for r in rows])
                         for a, ob in zip(at, outs):
                             o[a] = ob
                         done.update(rows)
