@@ -1,19 +1,22 @@
-"""``--quant ggml`` decode steps over a plain full KV cache as whole ggml graphs, llama.cpp's way.
+"""``--quant ggml`` decode steps over a full KV cache as whole ggml graphs, llama.cpp's way.
 
 Between :class:`~zoomr.backends.torch.ggml_layers.GgmlLayer`'s graphs, a decode step crosses into Python
 twice a layer (RoPE'd q/k/v out, attention, the attention output back in), which cost a 135M model about a
 fifth of its decode time on a 2-core CPU. Where a sequence's cache is a
-:class:`~zoomr.kvstore.base.FullKVCache` holding its positions in its own buffers (no policy selects or evicts
-anything, no fork shares a prefix), attention needs nothing from Python: this module runs the whole token in
-one graph, embedding to logits, the new keys and values copied into the cache's buffers inside it.
+:class:`~zoomr.kvstore.base.FullKVCache` (no policy selects or evicts anything), attention needs nothing from
+Python: this module runs the whole token in one graph, embedding to logits, the new keys and values copied into
+the cache's own buffers inside it.
 
-The attention kernel is ggml's ``flash_attn_ext`` over the cache's fp32 buffers. :class:`RowAttention` is the same
-kernel on the same views for one row of a batched forward, so a sequence gets the same bits decoded alone
-(through :class:`DecodeGraph`) or beside others (through the per-layer graphs).
+Attention reads the cache where it lies (:class:`_Attention`): a plain cache's positions are one block, attended
+by ggml's ``flash_attn_ext``; a fork's are the frozen parts it shares, then its own, attended as blocks (scores
+per block, one softmax, values per block), nothing copied. :class:`RowAttention` runs the same ops for the rows
+of a batched forward, so a sequence gets the same bits decoded alone (through :class:`DecodeGraph`) or beside
+others (through the per-layer graphs).
 
-Per step the graph is re-pointed, not rebuilt: each layer's cache buffers are external tensors whose ``data``
-is set to the buffers' addresses (the write position included), and the attended views' ``ne[1]`` to the
-number of positions. A graph serves one buffer capacity; a cache that doubles gets a new graph.
+Per step the graph is re-pointed, not rebuilt: each block is an external tensor whose ``data`` is set to the
+buffer's address (the write position included), and the views' lengths and strides to the positions attended.
+A graph serves one own-buffer capacity and one set of shared parts; a cache that doubles, or a new fork, gets a
+new graph (a few ms).
 
 Source: llama.cpp's ``llm_build_llama`` / ``llm_build_qwen3`` graphs and its KV-cache views (``src/llama-kv-cache``).
 """
@@ -72,6 +75,10 @@ class _Attention:
         self.roots = [[b.external((d, n, Hkv)) for n in lengths] for _ in range(2)]
         self.views = [[b.view3(r, (d, n, Hkv), d * 4, n * d * 4) for r, n in zip(rs, lengths)] for rs in self.roots]
         self._last: list[tuple[int, int, int]] = []   # (tensor, dim, positions before the last block) per run
+        # per block, K and V: the root's data, the view's ne and nb (written at every run) and what was written
+        self._handles = [[(Graph.handles(r)[0], *Graph.handles(v)[1:]) for r, v in zip(rs, vs)]
+                         for rs, vs in zip(self.roots, self.views)]
+        self._pointed: list = [None] * len(lengths)
         if len(lengths) == 1:
             self.result = b.flash_attn(q, self.views[0][0], self.views[1][0], scale)
             self.out = b.reshape(self.result, H * d, 1)
@@ -92,7 +99,8 @@ class _Attention:
             at += n
         self.result, self.out = out, b.reshape(out, H * d, 1)
         # what follows the last block's length (rows stay at the planned strides)
-        self._last = [(scores[-1], 0, 0), (joined, 0, before), (probs, 0, before), (weights, 1, 0)]
+        self._last = [(Graph.handles(t)[1], dim, before)
+                      for t, dim, before in ((scores[-1], 0, 0), (joined, 0, before), (probs, 0, before), (weights, 1, 0))]
 
     def point(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Aim at ``blocks`` ([(K, V)], each [Hkv, n_i, d], :func:`_takes`): the graph's lengths, the last one's
@@ -106,16 +114,17 @@ class _Attention:
                 or any(k.shape[1] != m for (k, _), m in zip(blocks[:-1], self.lengths))):
             raise RuntimeError(f"K/V blocks of {[k.shape[1] for k, _ in blocks]} positions under a graph for "
                                f"{list(self.lengths)}")
-        for side in (0, 1):
-            for root, view, pair in zip(self.roots[side], self.views[side], blocks):
-                t = pair[side]
-                Graph.fields(root).data = t.data_ptr()
-                f = Graph.fields(view)
-                f.ne[1] = t.shape[1]
-                f.nb[1], f.nb[2] = t.stride(1) * 4, t.stride(0) * 4
-                f.nb[3] = f.nb[2] * t.shape[0]
-        for t, dim, before in self._last:
-            Graph.fields(t).ne[dim] = before + n
+        for i, pair in enumerate(blocks):
+            if pair is self._pointed[i]:   # a fork's shared part, as the last run left it
+                continue
+            self._pointed[i] = pair
+            for t, (data, ne, nb) in zip(pair, (self._handles[0][i], self._handles[1][i])):
+                data.value = t.data_ptr()
+                ne[1] = t.shape[1]
+                nb[1], nb[2] = t.stride(1) * 4, t.stride(0) * 4
+                nb[3] = nb[2] * t.shape[0]
+        for ne, dim, before in self._last:
+            ne[dim] = before + n
 
 
 def _lengths(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, ...]:
@@ -164,8 +173,11 @@ class RowAttention:
 
 
 class DecodeGraph:
-    """A whole decode step of one sequence as one ggml graph: embedding, every layer with RoPE, the KV-cache write
-    and attention, final RMSNorm and LM head.
+    """A whole decode step of one or more sequences as one ggml graph: embedding, every layer with RoPE, each
+    sequence's KV-cache write and attention, final RMSNorm and LM head; the projections run every row at once.
+
+    Each row is computed on its own (8-bit activations per row, attention over its own cache), so a sequence's
+    logits are the same bits in a step of one or of many.
 
     Args:
         embed: the token table; layers: the layers' graphs (weights, norms, heads); head: final RMSNorm and LM
@@ -177,54 +189,67 @@ class DecodeGraph:
         self.n_threads = n_threads
         self._graphs = GraphCache(self._build)
 
-    def _build(self, key: tuple[int, tuple[int, ...]]):
-        cap, parts = key
-        # a layer makes about 50 graph tensors (more with biases, q/k norms, mixed weight types, shared parts)
-        b = Builder(64 + (64 + 12 * len(parts)) * len(self.layers))
+    def _build(self, key: tuple[tuple[int, tuple[int, ...]], ...]):
+        B = len(key)
+        # a layer makes about 50 graph tensors (more with biases, q/k norms, mixed weight types), a row's KV
+        # writes and attention a dozen more per block
+        b = Builder(64 + (64 + sum(16 + 12 * len(parts) for _, parts in key)) * len(self.layers))
         t = self.embed.table
-        x = b.get_rows(b.weight(t.data, t.ggml_type, t.shape), b.input("ids", 1, 1, TYPE_I32))
-        pos = b.input("pos", 1, 1, TYPE_I32)
+        x = b.get_rows(b.weight(t.data, t.ggml_type, t.shape), b.input("ids", B, 1, TYPE_I32))
+        pos = b.input("pos", B, 1, TYPE_I32)
         all_views = []
         for L in self.layers:
             heads = L.heads
             H, Hkv, d = heads.n_heads, heads.n_kv_heads, heads.head_dim
+            n_qk, n_qkv = (H + Hkv) * d, (H + 2 * Hkv) * d
             qkv = L.qkv_product(b, x)
-            qk = rotated_qk(b, qkv, 1, heads, pos)
-            # the new position's k and v, written into the cache's own buffers before the attention reads them
-            writes = [b.view3(b.external((d, cap, Hkv)), (d, 1, Hkv), d * 4, cap * d * 4) for _ in range(2)]
-            b.copy_into(b.view3(qk, (d, 1, Hkv), (H + Hkv) * d * 4, d * 4, H * d * 4), writes[0])
-            n_qkv = (H + 2 * Hkv) * d
-            b.copy_into(b.view3(qkv, (d, 1, Hkv), n_qkv * 4, d * 4, (H + Hkv) * d * 4), writes[1])
-            # the own buffer planned at its capacity: the work buffer is sized for the longest attention it may run
-            att = _Attention(b, b.view3(qk, (d, 1, H), (H + Hkv) * d * 4, d * 4), (H, Hkv, d), parts + (cap,))
-            all_views.append((writes, att))
-            x = L.mlp(b, x, att.out)
+            qk = rotated_qk(b, qkv, B, heads, pos)
+            rows, o = [], None
+            for i, (cap, parts) in enumerate(key):
+                # the new position's k and v, written into the cache's own buffers before the attention reads them
+                roots = [b.external((d, cap, Hkv)) for _ in range(2)]
+                writes = [b.view3(r, (d, 1, Hkv), d * 4, cap * d * 4) for r in roots]
+                b.copy_into(b.view3(qk, (d, 1, Hkv), n_qk * 4, d * 4, i * n_qk * 4 + H * d * 4), writes[0])
+                b.copy_into(b.view3(qkv, (d, 1, Hkv), n_qkv * 4, d * 4, i * n_qkv * 4 + n_qk * 4), writes[1])
+                # the own buffer planned at its capacity: the work buffer is sized for the longest attention
+                q = b.view3(qk, (d, 1, H), n_qk * 4, d * 4, i * n_qk * 4)
+                att = _Attention(b, q, (H, Hkv, d), parts + (cap,))
+                rows.append(([Graph.handles(r)[0] for r in roots], att))
+                o = att.out if o is None else b.concat(o, att.out, 1)
+            all_views.append(rows)
+            x = L.mlp(b, x, o)
         logits = self.head.build(b, x)
         return b.finish({"logits": logits}, self.n_threads), all_views
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: FullKVCache) -> torch.Tensor:
-        """One step: token, position [1] int64 → logits [1, vocab] float32.
+        """One step of one sequence: token, position [1] int64 → logits [1, vocab] float32 (see :meth:`step`)."""
+        return self.step(token, position, [cache])
 
-        ``cache`` is a full cache (:func:`attends_in_ggml`), grown here to hold the new position and written by the
-        graph; its ``end_forward`` is the caller's, as after any forward.
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, caches: list[FullKVCache]) -> torch.Tensor:
+        """One step of B sequences: tokens, positions [B] int64 → logits [B, vocab] float32.
+
+        Each cache is a full cache (:func:`attends_in_ggml`), grown here to hold its new position and written by
+        the graph; their ``end_forward`` is the caller's, as after any forward.
 
         Raises:
             RuntimeError: buffers of another capacity than the graph's (its strides would miss their rows).
         """
-        n, own = cache.n_tokens, cache.n_tokens - cache.frozen
-        cache.reserve(n + 1)
-        cap = cache.k[0].shape[1] if self.layers else 0
-        graph, all_views = self._graphs((cap, tuple(k.shape[1] for k, _ in cache.parts[0])))
+        key = []
+        for cache in caches:
+            cache.reserve(cache.n_tokens + 1)
+            key.append((cache.k[0].shape[1] if self.layers else 0, tuple(k.shape[1] for k, _ in cache.parts[0])))
+        graph, all_views = self._graphs(tuple(key))
 
         def point():
-            for li, (writes, att) in enumerate(all_views):
-                k, v = cache.k[li], cache.v[li]
-                if k.shape[1] != cap or v.shape[1] != cap:
-                    raise RuntimeError(f"KV buffers of {k.shape[1]} positions under a graph built for {cap}")
-                row = own * k.shape[2] * 4
-                for w, buf in zip(writes, (k, v)):
-                    f = Graph.fields(w)
-                    Graph.fields(f.view_src).data = buf.data_ptr() + row
-                att.point([*cache.parts[li], (k[:, :own + 1], v[:, :own + 1])])
+            for li, rows in enumerate(all_views):
+                for (writes, att), cache, (cap, _) in zip(rows, caches, key):
+                    own = cache.n_tokens - cache.frozen
+                    k, v = cache.k[li], cache.v[li]
+                    if k.shape[1] != cap or v.shape[1] != cap:
+                        raise RuntimeError(f"KV buffers of {k.shape[1]} positions under a graph built for {cap}")
+                    row = own * k.shape[2] * 4
+                    for data, buf in zip(writes, (k, v)):
+                        data.value = buf.data_ptr() + row
+                    att.point([*cache.parts[li], (k[:, :own + 1], v[:, :own + 1])])
 
-        return graph.run(point, ids=token.to(torch.int32), pos=position.to(torch.int32))["logits"]
+        return graph.run(point, ids=tokens.to(torch.int32), pos=positions.to(torch.int32))["logits"]

@@ -485,6 +485,13 @@ class Graph:
         return outs
 
     @staticmethod
+    def handles(t: int) -> tuple[C.c_void_p, C.Array, C.Array]:
+        """Graph tensor ``t``'s ``data``, ``ne`` and ``nb`` as ctypes objects over its struct, made once by a caller
+        that re-points it at every run (cheaper per write than :meth:`fields`)."""
+        return (P.from_address(t + _DATA), (C.c_int64 * 4).from_address(t + _Tensor.ne.offset),
+                (C.c_size_t * 4).from_address(t + _Tensor.nb.offset))
+
+    @staticmethod
     def fields(t: int) -> _Tensor:
         """The struct of graph tensor ``t``, for a caller that re-points an external tensor (``data``) or resizes a
         view of one (``ne``) between runs: the KV cache's buffer moves when it grows and gains a row per step."""

@@ -438,9 +438,9 @@ class Decoder:
             bounds.append((s0, s0 + n))
             s0 += n
         ggml = self._ggml_step is not None
-        if (ggml and S == 1 and attention == "per_seq" and not return_hidden
-                and attends_in_ggml(caches[0])):   # one token over a plain full cache: one ggml graph
-            return self._ggml_step(ids, positions, caches[0])
+        if (ggml and S == len(lengths) and attention == "per_seq" and not return_hidden
+                and all(attends_in_ggml(c) for c in caches)):   # a token a full cache: one ggml graph
+            return self._ggml_step.step(ids, positions, caches)
         # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
         # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
         x = self.embed[ids].float()
