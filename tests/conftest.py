@@ -168,6 +168,24 @@ def assert_as_faithful_as_llamacpp(ours, llama, exact, what: str) -> None:
     assert top1 >= 0.95 and kl <= 3 * kl_llama, (top1, kl, kl_llama)
 
 
+def decode_alone_and_batched(be, prompts: list[list[int]], token: int = 9, backends=None):
+    """Each prompt prefilled into a sequence of its own and decoded one ``token`` alone, then prefilled anew and
+    decoded in one batch: (alone, batched), each [B, vocab] float32. ``backends`` (one per prompt, views of
+    ``be`` with their own KV policies) make the sequences; ``be`` runs the batch."""
+    import numpy as np
+
+    backends = backends or [be] * len(prompts)
+    alone = []
+    for b, p in zip(backends, prompts):
+        s = b.new_sequence()
+        b.prefill(s, p)
+        alone.append(b.decode(s, token))
+    seqs = [b.new_sequence() for b in backends]
+    for b, s, p in zip(backends, seqs, prompts):
+        b.prefill(s, p)
+    return np.stack(alone), np.asarray(be.forward_batch(seqs, [[token]] * len(prompts)))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Close the llama.cpp models tests left alive while llama_cpp still works: freed only at interpreter exit,
     after the module's own globals are gone, each printed an ignored ``TypeError`` traceback under a green run."""

@@ -14,7 +14,7 @@ from zoomr.backends.torch.ggml_layers import GgmlLinear, RawWeight
 from zoomr.backends.torch.weights import load_gguf
 from zoomr.evaluation.parity import agreement, llamacpp_logits
 
-from conftest import assert_as_faithful_as_llamacpp, assert_one_line_error, zoomr
+from conftest import assert_as_faithful_as_llamacpp, assert_one_line_error, decode_alone_and_batched, zoomr
 
 pytestmark = pytest.mark.skipif(not ggml_ops.available(), reason="llama-cpp-python's ggml cannot be loaded here")
 
@@ -135,27 +135,34 @@ def test_decode_equals_prefill_and_the_fused_graphs_change_nothing(ggml_backend)
 
 
 def test_batched_decode_gives_each_row_its_own_logits(ggml_backend):
-    """Alone, a step is one ggml graph; in a batch, the layers' graphs with each row's attention in ggml's kernel
-    over its own cache (:class:`~zoomr.backends.torch.ggml_decode.RowAttention`): the same bits. Prompts of some
-    length, as over a few positions torch's attention happened to round as ggml's does (0.48 apart at 200+)."""
+    """Alone, a step is one ggml graph; several full caches in a batch too (the projections over every row at
+    once, each row's attention over its own cache): the same bits. Beside a KV policy's sequence the batch runs
+    the layers' graphs instead, every row's attention in one graph call
+    (:class:`~zoomr.backends.torch.ggml_decode.RowAttention`): the same bits again, forks included. Prompts of
+    some length, as over a few positions torch's attention happened to round as ggml's does (0.48 apart at 200+)."""
+    from zoomr.kvstore.registry import PolicyCacheFactory, PolicySpec
+
     be = ggml_backend
     prompts = [list(range(300 + i, 500 + 37 * i)) for i in range(3)]
-    alone = []
-    for p in prompts:
-        s = be.new_sequence()
-        be.prefill(s, p)
-        alone.append(be.decode(s, 9))
-    seqs = [be.new_sequence() for _ in prompts]
-    for s, p in zip(seqs, prompts):
-        be.prefill(s, p)
-    together = be.forward_batch(seqs, [[9]] * 3)
-    np.testing.assert_array_equal(np.stack(alone), np.asarray(together))
+    alone, together = decode_alone_and_batched(be, prompts)
+    np.testing.assert_array_equal(alone, together)
+    rkv = be.with_cache_factory(PolicyCacheFactory(PolicySpec("rkv", 1024)))
+    alone, mixed = decode_alone_and_batched(be, prompts, backends=[be, be, rkv])
+    np.testing.assert_array_equal(alone, mixed)
+    # a fork (two blocks) beside a policy's row: the layers' graphs, the fork attended as in its one graph
+    root = be.new_sequence()
+    be.prefill(root, prompts[0])
+    fork, other = be.fork(root), be.fork(root)
+    policy_seq = rkv.new_sequence()
+    rkv.prefill(policy_seq, prompts[2])
+    np.testing.assert_array_equal(np.asarray(be.forward_batch([fork, policy_seq], [[9], [9]]))[0],
+                                  be.decode(other, 9))
 
 
 def test_forks_decode_alone_as_in_a_batch(ggml_backend):
-    """A fork attends its shared prefix and its own positions as blocks in ggml (no copy of either): alone one
-    graph per step, in a batch the layers' graphs with every row's attention in one graph; the same bits, for a
-    fork of a fork (three blocks) too, beside a plain sequence's row."""
+    """A fork attends its shared prefix and its own positions as blocks in ggml (no copy of either), in one graph
+    per step alone or in a batch beside a plain sequence's row: the same bits, for a fork of a fork (three
+    blocks) too."""
     from zoomr.backends.torch.ggml_decode import attends_in_ggml
 
     be = ggml_backend

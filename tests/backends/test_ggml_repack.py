@@ -16,7 +16,7 @@ from zoomr.backends.torch.ggml_ops import PackedWeight
 from zoomr.backends.torch.weights import load_gguf
 from zoomr.evaluation.parity import agreement
 
-from conftest import assert_as_faithful_as_llamacpp, zoomr
+from conftest import assert_as_faithful_as_llamacpp, decode_alone_and_batched, zoomr
 
 pytestmark = pytest.mark.skipif(not ggml_ops.available(), reason="llama-cpp-python's ggml cannot be loaded here")
 
@@ -87,17 +87,9 @@ def test_a_repacked_model_is_as_faithful_as_llamacpp_and_alone_as_in_a_batch(q4_
     ours = packed.prefill(packed.new_sequence(), ids, all_logits=True)
     ref = exact.prefill(exact.new_sequence(), ids, all_logits=True)
     assert_as_faithful_as_llamacpp(ours, llamacpp_logits(q4_0_path, ids), ref, "Q4_0 repacked")
-    # one graph alone, the layers' graphs (GEMM over 4 rows, GEMV over the 5th) in a batch: the same bits
-    prompts = [list(range(300 + i, 420 + 29 * i)) for i in range(5)]
-    alone = []
-    for p in prompts:
-        s = packed.new_sequence()
-        packed.prefill(s, p)
-        alone.append(packed.decode(s, 9))
-    seqs = [packed.new_sequence() for _ in prompts]
-    for s, p in zip(seqs, prompts):
-        packed.prefill(s, p)
-    np.testing.assert_array_equal(np.stack(alone), np.asarray(packed.forward_batch(seqs, [[9]] * 5)))
+    # a step of one row, and of five (the repacked GEMM over 4 rows, GEMV over the 5th): the same bits
+    alone, batched = decode_alone_and_batched(packed, [list(range(300 + i, 420 + 29 * i)) for i in range(5)])
+    np.testing.assert_array_equal(alone, batched)
 
 
 def test_the_cli_says_the_weights_were_repacked(q4_0_path, q4_0_tensors):
