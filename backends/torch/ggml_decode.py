@@ -74,10 +74,12 @@ class _Attention:
         self.lengths = lengths
         self.roots = [[b.external((d, n, Hkv)) for n in lengths] for _ in range(2)]
         self.views = [[b.view3(r, (d, n, Hkv), d * 4, n * d * 4) for r, n in zip(rs, lengths)] for rs in self.roots]
-        self._last: list[tuple[int, int, int]] = []   # (tensor, dim, positions before the last block) per run
+        self._last: list[tuple] = []   # (ne of a tensor, dim, positions before the last block): set per run
         # per block, K and V: the root's data, the view's ne and nb (written at every run) and what was written
         self._handles = [[(Graph.handles(r)[0], *Graph.handles(v)[1:]) for r, v in zip(rs, vs)]
                          for rs, vs in zip(self.roots, self.views)]
+        # the (K, V) pairs the last run pointed at: a fork's shared parts are the same objects step after step
+        # (held, so an identity check cannot meet a recycled object)
         self._pointed: list = [None] * len(lengths)
         if len(lengths) == 1:
             self.result = b.flash_attn(q, self.views[0][0], self.views[1][0], scale)
@@ -99,8 +101,8 @@ class _Attention:
             at += n
         self.result, self.out = out, b.reshape(out, H * d, 1)
         # what follows the last block's length (rows stay at the planned strides)
-        self._last = [(Graph.handles(t)[1], dim, before)
-                      for t, dim, before in ((scores[-1], 0, 0), (joined, 0, before), (probs, 0, before), (weights, 1, 0))]
+        follow = ((scores[-1], 0, 0), (joined, 0, before), (probs, 0, before), (weights, 1, 0))
+        self._last = [(Graph.handles(t)[1], dim, n) for t, dim, n in follow]
 
     def point(self, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Aim at ``blocks`` ([(K, V)], each [Hkv, n_i, d], :func:`_takes`): the graph's lengths, the last one's

@@ -13,12 +13,14 @@ ggml thread pool kept for the process.
 Weights whose type ggml's CPU backend repacks for this CPU (Q4_0, Q4_K, IQ4_NL ...) are copied once into its
 repacking buffer, as llama.cpp loads them (:class:`PackedWeight`); the others are used in place.
 
-Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``, ``ggml-backend.h``). Fields of ``struct ggml_tensor`` written directly:
-``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and, of a view over a block of
-keys or values, ``ne[1]`` (the positions attended, one more each decode step) and its strides ``nb[1..3]``
-(:mod:`.ggml_decode`; each graph was planned for the longest such view it takes). The struct's layout is checked against
-``ggml_get_data``/``ggml_nbytes`` and a view's source and offset on real tensors before anything runs, and a build
-whose layout differs reports itself unavailable rather than guessing.
+Only ggml's public C API is used (``ggml.h``, ``ggml-cpu.h``, ``ggml-backend.h``). Fields of ``struct ggml_tensor``
+written directly: ``data`` (ggml has no setter; llama.cpp's own allocators write it the same way), and, of a view
+over a block of keys or values, ``ne[1]`` (the positions attended, one more each decode step) and its strides
+``nb[1..3]``, and the length of the intermediates that follow a fork's own block (its scores and their softmax;
+:mod:`.ggml_decode`; each graph was planned for the longest such view it takes, and rows keep the planned strides).
+``extra`` is read: the repacking buffer marks the tensors it has a layout for there. The struct's layout is checked
+against ``ggml_get_data``/``ggml_nbytes`` and a view's source and offset on real tensors before anything runs, and a
+build whose layout differs reports itself unavailable rather than guessing.
 
 Source: ggml's C API as vendored by llama-cpp-python (``vendor/llama.cpp/ggml/include``); the type ids are
 gguf's ``GGMLQuantizationType``, the same enum.
@@ -118,7 +120,7 @@ class _Lib:
             (base, "ggml_backend_buffer_free"): ([P], None),
             (base, "ggml_backend_buffer_get_size"): ([P], C.c_size_t),
             (base, "ggml_backend_tensor_set"): ([P, P, C.c_size_t, C.c_size_t], None),
-            (base, "ggml_log_set"): ([P, P], None),
+            (base, "ggml_log_set"): ([P, P], None), (base, "ggml_set_name"): ([P, C.c_char_p], P),
         }
         for (lib, name), (args, res) in sig.items():
             fn = getattr(lib, name)
@@ -155,7 +157,8 @@ class _Lib:
             s = _Tensor.from_address(t)
             # a view: where its source and offset sit (views of the KV cache are re-pointed per step)
             v = _Tensor.from_address(self.view_3d(ctx, t, 3, 1, 1, 12, 12, 12))
-            if (s.data != self.get_data(t) or list(s.ne) != [3, 2, 1, 1] or s.nb[1] != 12
+            self.set_name(t, b"zoomr")   # the name, then extra (read for repacked weights) sit where we read them
+            if (s.name != b"zoomr" or s.extra or s.data != self.get_data(t) or list(s.ne) != [3, 2, 1, 1] or s.nb[1] != 12
                     or self.nbytes(t) != 24 or s.type != TYPE_F32 or v.view_src != t or v.view_offs != 12
                     or v.data != s.data + 12 or list(v.ne) != [3, 1, 1, 1]):
                 raise OSError("struct ggml_tensor in this llama-cpp-python build differs from the layout zoomr reads")
