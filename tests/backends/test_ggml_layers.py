@@ -278,7 +278,7 @@ def test_a_graph_refuses_inputs_it_would_read_past(raw_tensors):
     assert graph.run(x=torch.randn(2, 576))["y0"].shape == (2, 576)
 
 
-def test_graphs_share_scratch_memory_and_follow_it_when_it_grows(raw_tensors):
+def test_graphs_share_scratch_memory_and_follow_it_when_it_grows(raw_tensors, monkeypatch):
     """Intermediates of every graph live in one process-wide block that grows to the largest graph run (a
     batched prefill's graphs once faulted in hundreds of MB each); a graph built before it grew is re-placed."""
     _, tensors, _ = raw_tensors
@@ -289,11 +289,13 @@ def test_graphs_share_scratch_memory_and_follow_it_when_it_grows(raw_tensors):
         h = b.mul_mat(b.weight(w.data, w.ggml_type, w.shape), b.input("x", rows, 576))
         return b.finish({"y": b.add(b.silu(h), h)}, 1)   # silu(h) [rows, 1536] fp32 lives in the scratch block
 
+    monkeypatch.setattr(ggml_ops, "_scratch", ggml_ops._Scratch())   # empty: sized by this test's graphs alone
     small = graph(2)
     xs = torch.randn(2, 576, generator=torch.Generator().manual_seed(5))
     first = small.run(x=xs)["y"]
     before = ggml_ops._scratch.base
     big = ggml_ops._scratch._buf.nbytes // (1536 * 4) + 64    # more intermediate bytes than the block holds
+    assert big < 200
     graph(big).run(x=torch.randn(big, 576))
     assert ggml_ops._scratch.base != before
     np.testing.assert_array_equal(small.run(x=xs)["y"], first)
