@@ -126,4 +126,7 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
-        raise ModelNotFound(f"{repo_id}: cannot download from the hub ({type(e).__name__})") from None
+        # no such local path either: say both, and why the download failed (offline, no such repo ...)
+        why = (str(e).strip().splitlines() or [""])[0][:120]
+        raise ModelNotFound(f"{repo_id}: no such local file or directory, not in the local hub cache, and the "
+                            f"download failed ({type(e).__name__}{': ' + why if why else ''})") from None

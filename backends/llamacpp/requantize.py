@@ -27,6 +27,9 @@ def requantize(src: Path, dst: Path, ftype: str, threads: int = 1) -> Path:
     """
     import llama_cpp
 
+    from zoomr.backends.llama_log import silence_llama_logs
+
+    silence_llama_logs()   # llama.cpp logs every tensor it writes (ZOOMR_DEBUG=1 keeps them)
     code = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}", None)
     if code is None:
         raise ValueError(f"llama.cpp has no file type {ftype!r}")

@@ -99,3 +99,16 @@ def test_the_cli_says_the_weights_were_repacked(q4_0_path, q4_0_tensors):
     out = r.stdout + r.stderr
     assert "weights ggml (Q4_0 repacked), head ggml (Q8_0)" in out, out
     assert "repack tensor" not in out   # ggml's own debug log stays quiet
+
+
+def test_requantizing_is_quiet(tmp_path, embedded_path):
+    """llama.cpp's quantizer logs every tensor it writes (300+ lines on stderr): silenced, in a fresh process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from zoomr.backends.llamacpp.requantize import requantize; "
+            "print(requantize(Path(sys.argv[1]), Path(sys.argv[2]), 'Q4_0'))")
+    r = subprocess.run([sys.executable, "-c", code, str(embedded_path), str(tmp_path / "q.gguf")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "q.gguf").stat().st_size > 10_000_000, r.stderr[-500:]
+    assert r.stderr == "", r.stderr[:500]

@@ -62,3 +62,18 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path):
     r = subprocess.run(zoomr_cmd() + ["solve", "-p", "1+1?", "-m", "nobody/no-such-model", "--no-live"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 2 and "HF_HUB_OFFLINE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreachable_hub_says_what_was_tried_and_why_it_failed(tmp_path):
+    # online mode, but the hub's address refuses connections: one line naming the three places looked in
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HUB_CACHE=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2",
+               HF_HUB_DOWNLOAD_TIMEOUT="2")
+    r = subprocess.run(zoomr_cmd() + ["solve", "-p", "1+1?", "-m", "nobody/no-such-model", "--no-live"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("zoomr: error:")]
+    assert len(errors) == 1, r.stderr
+    line = errors[0]
+    assert "no such local file or directory" in line and "not in the local hub cache" in line, line
+    assert "download failed (" in line, line
