@@ -223,10 +223,6 @@ class DecodeGraph:
         logits = self.head.build(b, x)
         return b.finish({"logits": logits}, self.n_threads), all_views
 
-    def __call__(self, token: torch.Tensor, position: torch.Tensor, cache: FullKVCache) -> torch.Tensor:
-        """One step of one sequence: token, position [1] int64 → logits [1, vocab] float32 (see :meth:`step`)."""
-        return self.step(token, position, [cache])
-
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, caches: list[FullKVCache]) -> torch.Tensor:
         """One step of B sequences: tokens, positions [B] int64 → logits [B, vocab] float32.
 

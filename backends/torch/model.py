@@ -439,7 +439,7 @@ class Decoder:
             s0 += n
         ggml = self._ggml_step is not None
         if (ggml and S == len(lengths) and attention == "per_seq" and not return_hidden
-                and all(attends_in_ggml(c) for c in caches)):   # a token a full cache: one ggml graph
+                and all(attends_in_ggml(c) for c in caches)):   # a token per full-KV cache: one ggml graph
             return self._ggml_step.step(ids, positions, caches)
         # the residual stream stays fp32 whatever the compute dtype: summing 60 layer outputs into a bf16
         # stream is what costs a bf16 model its agreement with llama.cpp (whose stream is fp32), for 2 KiB a token
@@ -495,8 +495,7 @@ class Decoder:
                     if rows:
                         at = [bounds[r][0] for r in rows]
                         outs = self._row_attention.rows(q[:, at].transpose(0, 1), [parts_all[r] for r in rows])
-                        for a, ob in zip(at, outs):
-                            o[a] = ob
+                        o[at] = torch.stack(outs).to(o.dtype)
                         done.update(rows)
                 for row, ((a, b), parts) in enumerate(zip(bounds, parts_all)):
                     if row in done:
