@@ -20,7 +20,7 @@ from .base import join_parts
 from .events import EventBus
 from .host_store import BLOCK, HostKVStore, PositionCount
 from .policy import ForwardInfo, KVPolicy, LayerView, PolicyContext
-from .stats import KVMeter, KVStats
+from .stats import KVMeter, KVStats, storage_bytes
 
 OFFLOAD_MODES = ("resident", "stream")
 STREAM_BLOCK = 512   # host-store block of a streamed cache (positions)
@@ -75,6 +75,7 @@ class PolicyKVCache:
         self._layer_bytes = self.store.token_bytes() // n_layers
         self.meter = KVMeter(self.store.token_bytes(), policy.bound_tokens, device.type)
         self._pos_new = torch.empty(0, dtype=torch.long)   # positions of this forward's tokens
+        self._streamed_peak = 0   # stream: most device K/V bytes held while a layer attended, this forward
 
     def _emit(self, event) -> None:
         if self.events is not None:
@@ -98,6 +99,11 @@ class PolicyKVCache:
         self.store.append(layer, k, v)
         parts = self.active.attend_parts(layer, k, v, pos_new)
         self._attended[layer] = sum(K.shape[1] for K, _, _ in parts)
+        if self.offload == "stream":
+            # what attention reads is a copy made for this layer (freed after it) beside the next layer's
+            # prefetch: after the forward nothing is left to count, so the peak is taken here
+            held = storage_bytes(t for K, V, _ in parts for t in (K, V)) + self.active.device_bytes()
+            self._streamed_peak = max(self._streamed_peak, held)
         # the policy sees the parts; keys/positions are concatenated only if it reads them whole
         view = LayerView(layer, q, [K for K, _, _ in parts], [p for _, _, p in parts], T, self.n_tokens)
         selection = self.policy.observe(view)
@@ -116,9 +122,13 @@ class PolicyKVCache:
         fwd = ForwardInfo(self.n_tokens, list(token_ids), text, self.n_tokens == 0)
         self.n_tokens = fwd.end
         selection = self.policy.end_forward(fwd)
+        # a bound may depend on the prompt (R-KV attends it whole until its first compression): known now
+        self.meter.bound = self.policy.bound_tokens
+        device_bytes = max(self.active.device_bytes(), self._streamed_peak)
+        self._streamed_peak = 0
         # the policy's state is read after its end_forward, which may add to it (ZoomR's mean keys)
         self.meter.step(max(self._attended), sum(self._attended) * self._layer_bytes, self.n_tokens, fwd.is_prompt,
-                        device_bytes=self.active.device_bytes(), host_bytes=self.store.allocated_bytes(),
+                        device_bytes=device_bytes, host_bytes=self.store.allocated_bytes(),
                         state_bytes=self.policy.state_bytes())
         if selection is not None:
             for layer in range(self.ctx.n_layers):

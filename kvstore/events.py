@@ -38,7 +38,9 @@ class RecomputeEvent(Event):
         zoomed: indices i of the segments zoomed in (I_c: their regular segments R_i are attended).
         summaries: indices of the segments kept as summaries (I_s: their S_i are attended).
         votes: segment index → votes v_i (empty for SumR).
-        agreeability: AG = Σ_{I_c} v_i / Σ_{I_all} v_j (ZoomR §4), None when nothing was voted.
+        agreeability: AG = Σ_{I_c} v_i / Σ_{I_all} v_j as ZoomR §4 defines it: over a vote of every summary,
+            not only the candidates ``votes`` counts (:meth:`zoomr.kvstore.zoomr.ZoomRPolicy.record`); None
+            when nothing was voted.
         active_tokens: positions attended at the next step, the new token excluded (tokens).
         segments: closed segments so far.
         summaries_mode: which segmentation produced them (see ``SegmentTracker.mode_ran``).

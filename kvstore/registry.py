@@ -25,6 +25,7 @@ from .rkv import RKVConfig, RKVPolicy
 from .snapkv import SnapKVConfig, SnapKVPolicy
 from .streaming import StreamingConfig, StreamingPolicy
 from .sumr import SumRConfig, SumRPolicy
+from .triattention import TriAttentionConfig, TriAttentionPolicy
 from .zoomr import ZoomRConfig, ZoomRPolicy
 
 BACKENDS = ("torch", "llamacpp")
@@ -209,6 +210,10 @@ for _row in (
     # KeyDiff's colour is Tol's wine: Okabe–Ito's last free hue is bench's best-of-n cells'
     PolicyInfo("keydiff", KeyDiffConfig, KeyDiffPolicy, "per KV head the keys least like the head's mean key "
                "direction + recent tokens, cut every 128 tokens (KeyDiff)", label="KeyDiff", backends=BOTH, colour="#882255"),
+    # TriAttention's colour is Tol's indigo; it needs no attention matrix (calibrated query statistics, the keys)
+    PolicyInfo("triattention", TriAttentionConfig, TriAttentionPolicy, "per KV head top keys by a trigonometric "
+               "series of calibrated pre-RoPE query statistics, the prompt pinned, cut every 128 tokens (TriAttention)",
+               label="TriAttention", backends=BOTH, colour="#332288"),
     PolicyInfo("sumr", SumRConfig, SumRPolicy, "prompt + every closed segment's summary + recent tokens "
                "(ZoomR's SumR ablation)", backends=("torch", "llamacpp"), label="SumR", colour="#0072b2"),
     PolicyInfo("zoomr", ZoomRConfig, ZoomRPolicy, "prompt + recent tokens + summaries voted by mean summary keys, "

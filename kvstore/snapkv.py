@@ -4,9 +4,26 @@ Source: Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Gener
 FasterDecoding/SnapKV, snapkv_utils.py): the last ``window`` queries attend the cache (softmax over
 all keys, causal); the attention each older key receives is summed over those queries, smoothed by
 an average pool (kernel 5, stride 1, zero padding counted), and each KV head keeps its top
-``B − window`` keys plus the window itself. SnapKV compresses the prompt once; for long generation it
-is applied like R-KV, whenever the attended set reaches ``B + buffer`` (buffer 128), so the cache
-moves between B and B + buffer. With GQA a KV head scores keys by the mean over its query heads.
+``B − window`` keys plus the window itself. With GQA a KV head scores keys by the mean over its query heads.
+
+When it compresses:
+
+* the prompt, at the prefill, when it is longer than the budget (P > B): SnapKV's method, which compresses
+  the prompt once and appends every decoded token;
+* during decoding, on R-KV's schedule (:class:`zoomr.kvstore.schedule.BufferSchedule`), as R-KV's runner
+  runs its SnapKV baseline for long generation (github Zefan-Cai/R-KV, rkv/compression/snapkv.py under
+  rkv/modeling.py; README: "compressing every 128 generated tokens with the same budgets as R-KV"; the
+  TriAttention authors' copy, triattention/methods/baselines/snapkv.py, runs the same way): a decode step
+  compresses to B when the positions written before it reached a multiple of ``buffer`` (128) and at least B
+  are attended. So a decode step attends at most B + buffer positions.
+
+Deviations, kept: R-KV's SnapKV baseline scores as R-KV scores importance (window 8, logits max-pooled over
+a KV group's query heads, softmax over the keys outside the window, max pool of 7); the scoring here is
+SnapKV's own (window 32, average pool of 5, mean over query heads), and only the decode schedule is R-KV's.
+R-KV's runner compresses the prompt of only the first problem a process runs (its flag starts as ``None``);
+here every prompt longer than B is compressed, as SnapKV does. On llama.cpp a prompt prefilled in several
+chunks (longer than ``n_batch``, 512) has its first chunk compressed as the prompt and the later ones on the
+schedule (and whenever the cells fill).
 """
 
 from __future__ import annotations
@@ -17,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from .knobs import PolicyConfig, budget_knob, selection_knob, window_knob
-from .policy import LayerView, QueryWindow, ScoredPolicy, attention_probs, grouped
+from .policy import LayerView, attention_probs, grouped
+from .schedule import WindowScheduledPolicy
 
 
 @dataclass(frozen=True)
@@ -33,14 +51,14 @@ class SnapKVConfig(PolicyConfig):
         return SnapKVPolicy(self.budget, self.window, selection=self.selection)
 
 
-class SnapKVPolicy(ScoredPolicy):
+class SnapKVPolicy(WindowScheduledPolicy):
     """Observation-window compression, per layer and KV head.
 
     Args:
         budget: B, positions kept after a compression (tokens).
         window: observation window = recent positions always kept (tokens); default min(32, B // 2).
         kernel: average-pool width (SnapKV: 5).
-        buffer: tokens appended between compressions (tokens; 128 as R-KV).
+        buffer: positions written between decode-time compressions (tokens; 128, R-KV's schedule).
         selection: ``per-head`` (default) or ``shared`` (:class:`zoomr.kvstore.policy.ScoredPolicy`).
     Raises:
         ValueError: budget < 2, window outside [1, budget), kernel < 1 or even, buffer < 1, a bad selection.
@@ -58,14 +76,18 @@ class SnapKVPolicy(ScoredPolicy):
         if kernel < 1 or kernel % 2 == 0 or buffer < 1:
             raise ValueError(f"snapkv: kernel must be odd and >= 1 and buffer >= 1 (got {kernel}, {buffer})")
         self.budget, self.window, self.kernel, self.slack = budget, window, kernel, buffer
-        self.queries = QueryWindow(window)
+        self.init_window(window, buffer)
         self.set_selection(selection)
 
     def observe(self, view: LayerView) -> torch.Tensor | None:
-        """Remember the queries; compress to B once B + buffer positions are attended."""
+        """Remember the queries; compress to B a prompt longer than B, and on the schedule's decode steps."""
         self.queries.push(view)
-        N = view.n_attended
-        if N < self.budget + self.slack:
+        N, sched = view.n_attended, self.schedule
+        if sched.is_prompt(view):
+            compress = N > self.budget
+        else:
+            compress = sched.due(view) and N >= self.budget
+        if not (compress or sched.over_cap(N)):
             return None
         q, q_pos = self.queries.window(view.layer)
         pos = view.positions   # whole (a fork: concatenated) only to compress
@@ -74,17 +96,6 @@ class SnapKVPolicy(ScoredPolicy):
         pooled = F.avg_pool1d(votes[:, None], self.kernel, stride=1, padding=self.kernel // 2)[:, 0]
         cand = pos[:, :N - self.window]
         return self.choose(pooled, cand, self.budget - self.window, pos[:, N - self.window:])
-
-    def state_tensors(self):
-        """The observation window's queries: per layer up to ``window`` + one forward's [H, t, d], in the
-        model's dtype."""
-        return self.queries.tensors()
-
-    def fork(self, ctx):
-        """Shares the query window's tensors (replaced, never written): O(L) per fork."""
-        other = self._fork_shallow(ctx)
-        other.queries = self.queries.copy()
-        return other
 
     def describe(self) -> str:
         return f"snapkv(B={self.budget}, window={self.window}, pool={self.kernel}, buffer={self.slack}{self.describe_selection()})"

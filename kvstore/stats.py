@@ -25,7 +25,8 @@ class KVStats:
         peak_active_bytes: largest ``active_bytes`` of any forward (bytes).
         bound_tokens: the policy's physical bound on active positions during decode (tokens): B + 1 for
             streaming and H2O (the token being decoded is attended before it is evicted), B + buffer for
-            SnapKV and R-KV (KV-Rescue's B' = B + w); None where it is not fixed in advance (full KV,
+            SnapKV and R-KV (KV-Rescue's B' = B + w; R-KV at least the first multiple of the buffer ≥ the
+            prompt, + 1, as it keeps the prompt whole until then); None where it is not fixed in advance (full KV,
             SumR, ZoomR: the measured peak over decode steps is reported instead, see ``bound_measured``).
         bound_measured: True when ``bound_tokens`` is a measurement, not the policy's guarantee.
         device_kv_bytes: peak bytes allocated on the compute device for the sequence's K/V (capacity, not only

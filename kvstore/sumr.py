@@ -3,6 +3,11 @@
 Source: ZoomR paper §4 ("retains only the summary tokens and does not perform any detailed token
 retrieval"). Here that is every closed segment's S_i, plus the prompt and the recent window; no
 queries are scored, so the same rule works on a backend without attention scores (llama.cpp).
+
+On both backends positions are never shifted: a dropped position leaves a hole and every kept key its
+original rotation (the llama.cpp version, :mod:`zoomr.backends.llamacpp.sumr`, evicts with ``seq_rm`` only,
+no ``seq_add``), so ``-c`` bounds the positions written on both. The llama.cpp version keeps no copy of what
+it evicts, so its selection only shrinks, which SumR, never zooming in, does anyway.
 """
 
 from __future__ import annotations

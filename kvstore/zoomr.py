@@ -17,9 +17,15 @@ Source: ZoomR paper §3.3 and Algorithm 1.
   v_i = votes of segment i, I_all = {i : v_i > 0}.
 * Consensus: I_c = the c most-voted (c = 2; ties: the newer segment first), I_s = I_all \\ I_c.
 * Context: prompt ∪ window ∪ R_i for i ∈ I_c ∪ S_i for i ∈ I_s (see :mod:`zoomr.kvstore.segmented`).
-* Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j, recorded at every recompute (§4) that has more
-  than max(c, k) candidates: with at most k every head votes for all of them, so AG = min(c, C) / C
-  whatever the queries (1 when C ≤ c), and those recomputes would only pull the mean up and the spread down.
+* Agreeability AG = Σ_{i∈I_c} v_i / Σ_{j∈I_all} v_j as §4 defines it, recorded at every recompute: the votes
+  of every (layer, query head) over *all* N_t summaries (Algorithm 1, line 14: arg top-k over i ∈ 1..N_t),
+  I_c their c most-voted (:attr:`ZoomRPolicy.ag`, ``stats()["ag_mean"]``, ``ag_std``, ``ag_recomputes``; the
+  recompute event's ``agreeability``). That vote is a diagnostic beside the selection's: the selection votes
+  over the candidates only (above), so its own AG differs. Zoomr's own AG is kept beside it
+  (:attr:`ZoomRPolicy.ag_candidates`, ``ag_candidates_mean`` / ``_std`` / ``_recomputes``): the selection's
+  votes, at the recomputes with more than max(c, k) candidates (with at most k every head votes for all of
+  them, so that AG = min(c, C) / C whatever the queries, and those recomputes only pull the mean up and the
+  spread down). The paper's AG keeps them all, so it is 1 while N_t ≤ c and reads high early in a run.
 * Memory saving MS of §3.5 (:func:`memory_saving_formula`), evaluated on the run's own N_p, N_g, L̄_R,
   L̄_S, |I_all| and N_w, is reported beside the measured saving (``stats()["saving_formula"]``).
 """
@@ -63,6 +69,21 @@ def memory_saving_formula(n_prompt: int, n_generated: int, consensus: int, mean_
     return (n_prompt + n_generated) / selected
 
 
+def _count_top(alpha: torch.Tensor, k: int) -> torch.Tensor:
+    """v_i: how many (layer, query head) rows of ``alpha`` [L, H, S] hold segment i among their top-k
+    (min(k, S)); [S] int64 on the CPU."""
+    S = alpha.shape[-1]
+    top = alpha.topk(min(k, S), dim=-1).indices
+    return torch.bincount(top.flatten(), minlength=S).cpu()
+
+
+def _spread(prefix: str, values: list[float]) -> dict:
+    """``{prefix}_mean``, ``{prefix}_std`` (population, over recomputes; None when empty), ``{prefix}_recomputes``."""
+    return {f"{prefix}_mean": round(statistics.fmean(values), 4) if values else None,
+            f"{prefix}_std": round(statistics.pstdev(values), 4) if values else None,
+            f"{prefix}_recomputes": len(values)}
+
+
 @dataclass(frozen=True)
 class ZoomRConfig(PolicyConfig):
     """ZoomR's knobs; its active size follows from the segments (no budget)."""
@@ -104,15 +125,17 @@ class ZoomRPolicy(SegmentedPolicy):
         self.topk, self.consensus = topk, consensus
         self.mean_keys: torch.Tensor | None = None    # [L, Hkv, S, d] float32 on the compute device
         self.queries: dict[int, torch.Tensor] = {}    # layer → [H, d] query of the newest token
-        self.ag: list[float] = []
+        self.ag: list[float] = []                     # the paper's AG, one per recompute with a summary
+        self.ag_candidates: list[float] = []          # the selection's AG (see the module docstring)
         self.voted_last = 0                           # |I_all| at the last recompute
         self.n_candidates = 0                         # segments starting before I_w at the last recompute
+        self.paper_votes: torch.Tensor | None = None  # [S] votes over all summaries at the last recompute
 
     def fork(self, ctx):
         """Shares the mean keys (extended by concatenation, never written) and the newest queries
-        (replaced each forward): O(L + segments) pointers, plus the AG history (one float per recompute)."""
+        (replaced each forward): O(L + segments) pointers, plus the AG histories (a float per recompute)."""
         other = super().fork(ctx)
-        other.queries, other.ag = dict(self.queries), list(self.ag)
+        other.queries, other.ag, other.ag_candidates = dict(self.queries), list(self.ag), list(self.ag_candidates)
         return other
 
     def observe(self, view: LayerView) -> None:
@@ -147,18 +170,22 @@ class ZoomRPolicy(SegmentedPolicy):
             recent: first position of I_w (tokens); segments starting there or later get no votes.
         Returns:
             [S] int64 on the CPU, S = closed segments; all zeros before every layer has a query.
-        Side effect: :attr:`n_candidates` = C, read by :meth:`record` for the same recompute.
+        Side effects, read by :meth:`record` for the same recompute: :attr:`n_candidates` = C, and
+        :attr:`paper_votes` = [S] int64, the same heads' top-k over all S summaries (ZoomR §3.3 as written,
+        for the paper's AG); None before every layer has a query or while no segment is closed.
         """
         S = 0 if self.mean_keys is None else self.mean_keys.shape[2]
         v = torch.zeros(S, dtype=torch.long)
         C = self.n_candidates = self.candidates(recent)
-        if C == 0 or len(self.queries) < self.ctx.n_layers:
+        self.paper_votes = None
+        if S == 0 or len(self.queries) < self.ctx.n_layers:
             return v
         q = torch.stack([self.queries[l] for l in range(self.ctx.n_layers)])          # [L, H, d]
-        kbar = self.mean_keys[:, :, :C].repeat_interleave(self.ctx.group, dim=1)       # [L, H, C, d]
-        alpha = torch.einsum("lhd,lhsd->lhs", q, kbar)
-        top = alpha.topk(min(self.topk, C), dim=-1).indices
-        v[:C] = torch.bincount(top.flatten(), minlength=C).cpu()
+        kbar = self.mean_keys.repeat_interleave(self.ctx.group, dim=1)                 # [L, H, S, d]
+        alpha = torch.einsum("lhd,lhsd->lhs", q, kbar)                                 # [L, H, S]
+        self.paper_votes = _count_top(alpha, self.topk)
+        if C:
+            v[:C] = _count_top(alpha[:, :, :C], self.topk)
         return v
 
     def choose(self, recent):
@@ -170,21 +197,28 @@ class ZoomRPolicy(SegmentedPolicy):
         return zoomed, summarized, {i: int(v[i]) for i in voted}
 
     def record(self, zoomed, votes):
-        """AG of this recompute, or None where it is 0/0 or fixed by construction (≤ max(c, k) candidates)."""
+        """Book-keep both AGs of this recompute; return the paper's (None while no summary is closed).
+
+        The paper's (§4): I_c = the c most-voted of :attr:`paper_votes`, AG = Σ_{I_c} v_i / Σ v_j, at every
+        recompute that has a summary to vote for. The selection's (zoomr's own): ``votes`` and ``zoomed`` as
+        :meth:`choose` made them, None where it is 0/0 or fixed by construction (≤ max(c, k) candidates).
+        """
         self.voted_last = len(votes)
         total = sum(votes.values())
-        if not total or self.n_candidates <= max(self.consensus, self.topk):
+        if total and self.n_candidates > max(self.consensus, self.topk):
+            self.ag_candidates.append(sum(votes[i] for i in zoomed) / total)
+        if self.paper_votes is None:
             return None
-        ag = sum(votes[i] for i in zoomed) / total
+        counts = sorted(self.paper_votes.tolist(), reverse=True)   # which of equal counts is in I_c: same sum
+        ag = sum(counts[:self.consensus]) / sum(counts)
         self.ag.append(ag)
         return ag
 
     def stats(self) -> dict:
-        ag = self.ag
-        return {**super().stats(), "voted_last": self.voted_last,
-                "ag_mean": round(statistics.fmean(ag), 4) if ag else None,
-                "ag_std": round(statistics.pstdev(ag), 4) if ag else None,
-                "ag_recomputes": len(ag), **self._formula()}
+        """The segments' and recomputes' counts, the paper's AG (``ag_mean``, ``ag_std`` over recomputes,
+        ``ag_recomputes``), the selection's beside it (``ag_candidates_*``), ``voted_last`` and §3.5's MS."""
+        return {**super().stats(), "voted_last": self.voted_last, **_spread("ag", self.ag),
+                **_spread("ag_candidates", self.ag_candidates), **self._formula()}
 
     def _formula(self) -> dict:
         """§3.5's MS on this run's measured lengths (at the last recompute), and its inputs. N_w is the

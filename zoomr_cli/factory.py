@@ -8,7 +8,7 @@ from typing import Callable
 
 from zoomr.backends.base import Backend
 from zoomr.backends.models import resolve_model
-from zoomr.kvstore.registry import REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, knob_flags
+from zoomr.kvstore.registry import REFERENCE, PolicyCacheFactory, PolicySpec, check_backend, knob_flags, policy_info
 
 from zoomr.errors import UserError
 from zoomr.options import RunOptions
@@ -68,9 +68,16 @@ def _torch(opts: RunOptions) -> Backend:
 
     factory = torch_cache_factory(opts)
     device = "cpu" if opts.n_gpu_layers == 0 and opts.device == "auto" else opts.device
-    return TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
-                        threads=opts.threads, cache_factory=factory, quant=opts.quant,
-                        kv_dtype=opts.kv_dtype, compile=opts.compile)
+    backend = TorchBackend(resolve_model(opts.model), device=device, dtype=opts.dtype, n_ctx=opts.ctx_size,
+                           threads=opts.threads, cache_factory=factory, quant=opts.quant,
+                           kv_dtype=opts.kv_dtype, compile=opts.compile)
+    if getattr(policy_info(opts.policy).policy, "needs_query_stats", False):
+        # TriAttention's statistics now, while the model loads: a first use calibrates them (a progress line),
+        # which must not count in the first sequence's prefill time; a bad statistics file fails here
+        from zoomr.backends.torch.calibrate import backend_query_stats
+
+        backend_query_stats(backend, opts.policy_knobs().get("stats_file"))
+    return backend
 
 
 def with_policy(backend: Backend, opts: RunOptions) -> Backend:

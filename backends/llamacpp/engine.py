@@ -16,16 +16,17 @@ parent's last position from 30 to 19). So:
   on the embedded model, 1 CPU thread (``python benchmarks/llamacpp_speed.py``): unified ≈ 0.1-1.8
   ms, a 256-cell stream 3.6 ms, a 2304-cell stream 12 ms, against a 19-75 ms decode step.
 
-Position handling after eviction: positions are kept *compact*. When a policy removes positions
+Position handling after eviction, streaming: positions are kept *compact*. When it removes positions
 ``[a, b)`` with ``llama_memory_seq_rm``, the later cells are shifted down by ``b - a`` with
 ``llama_memory_seq_add`` (llama.cpp re-rotates the cached keys: its context shift). So a sequence
 holding n cells always occupies positions ``0 … n-1``, ``tokens[i]`` sits at position ``i``,
 positions never exceed the policy's cap (≤ ``-c``; so never the model's trained context when ``-c``
-fits it), and an evicting policy generates for as long as asked, far past ``-c``. This is
+fits it), and streaming generates for as long as asked, far past ``-c``. This is
 StreamingLLM's original scheme (positions counted inside the cache), not the keep-original-positions
 simplification the torch backend uses; the two backends' streaming runs differ in positions. The
-score-ranked policies (``shifts = False``, :mod:`zoomr.backends.llamacpp.scored`) keep original
-positions instead: their evictions leave holes, and the next token goes at ``n_written``.
+score-ranked policies (``shifts = False``, :mod:`zoomr.backends.llamacpp.scored`) and sumr
+(:mod:`zoomr.backends.llamacpp.sumr`) keep original positions instead, as on the torch backend: their
+evictions leave holes, and the next token goes at ``n_written``.
 """
 
 from __future__ import annotations
@@ -163,6 +164,13 @@ class LlamaCppBackend:
         self.policy_spec = PolicySpec(policy, **knobs)
         first = self._new_policy()
         cap = first.cap
+        # TriAttention's query statistics (calibrated by the torch backend on the same file when none are cached),
+        # read before this model loads, so a calibration's own copy of the weights is gone by then
+        self.query_stats = None
+        if getattr(first, "needs_query_stats", False):
+            from zoomr.backends.torch.calibrate import gguf_query_stats
+
+            self.query_stats = gguf_query_stats(source, knobs.get("stats_file"))[0]
         self.keeps_store = getattr(first, "keeps_store", False)
         # see the module docstring; a store and its active sequence share cells, so they need one pool
         self.unified = not first.evicts or self.keeps_store
@@ -221,6 +229,10 @@ class LlamaCppBackend:
             self.shapes = Shapes(self.info.n_layer, llama_cpp.llama_model_n_head(self._model), self.info.n_head_kv,
                                  self.info.head_dim_k)
             self.capture = KQCapture(*dataclasses.astuple(self.shapes))
+        if self.query_stats is not None:   # where llama.cpp puts each RoPE pair of this model's keys
+            from .triattention_cells import rope_style
+
+            self.rope_style = rope_style(self._model)
         self._ctx, self._mem = new_context(self._model, kv_cells, n_batch, self.max_sequences, self.unified,
                                            self.threads, self.capture.callback if self.capture else None)
         if policy.evicts and policy.shifts and not llama_cpp.llama_memory_can_shift(self._mem):
@@ -311,6 +323,8 @@ class LlamaCppBackend:
         policy = self._new_policy()
         if policy.wants_kq:
             policy.bind(self.shapes)
+        if self.query_stats is not None:
+            policy.use_query_stats(self.query_stats, self.rope_style)
         seq = LlamaCppSequence(self._take_id(), policy)
         if self.keeps_store:
             try:
@@ -499,7 +513,7 @@ class LlamaCppBackend:
     def _check_room(self, seq: LlamaCppSequence, n: int) -> None:
         """Refuse ``n`` more tokens past ``-c``: cells under full KV; positions under a policy that leaves holes,
         whose positions (and so rotations) keep counting past what it evicted, as on the torch backend, so
-        ``-c`` bounds the generation's length on both. A shifting policy (streaming, sumr) never runs out.
+        ``-c`` bounds the generation's length on both. A shifting policy (streaming) never runs out.
 
         Raises:
             ValueError: ``context full: …`` (nothing has run).
@@ -596,6 +610,8 @@ class LlamaCppBackend:
                 changed = seq.policy.observe(start, ids, text)
         else:
             changed = seq.policy.observe(start, ids, text)
+        if seq.meter.bound is not None:   # R-KV's bound grows with the prompt, known once it was observed
+            seq.meter.bound = getattr(seq.policy, "bound", seq.policy.cap)
         if changed and seq.store_id >= 0:
             self._reselect(seq, seq.policy.selection())
         elif changed or (seq.policy.evicts and len(seq.tokens) >= seq.policy.cap):

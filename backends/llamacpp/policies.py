@@ -4,9 +4,10 @@ llama.cpp's memory API offers sequence operations on KV cells (``seq_rm``, ``seq
 and no attention scores. Policies that need only the tokens run on that alone: ``full`` (no
 eviction), ``streaming`` (attention sinks + recent tokens, StreamingLLM) and ``sumr`` (prompt +
 summaries + recent tokens, ZoomR's SumR ablation; see :mod:`zoomr.backends.llamacpp.sumr`). The
-score-ranked ones (``h2o``, ``snapkv``, ``rkv``, ``keydiff``) read each forward's queries and keys through
-llama.cpp's eval callback and run the torch backend's scoring code, with one selection shared by every
-layer and head (:mod:`zoomr.backends.llamacpp.scored`). ``zoomr`` keeps every position in a store sequence and
+score-ranked ones (``h2o``, ``snapkv``, ``rkv``, ``keydiff``, ``triattention``) read each forward's queries and keys
+through llama.cpp's eval callback and run the torch backend's scoring code, with one selection shared by every
+layer and head (:mod:`zoomr.backends.llamacpp.scored`; TriAttention's statistics:
+:mod:`zoomr.backends.llamacpp.triattention_cells`). ``zoomr`` keeps every position in a store sequence and
 moves its selection in an active one (:mod:`zoomr.backends.llamacpp.zoomr_cells`). Which policies run here,
 and what the others need, is the registry's (:mod:`zoomr.kvstore.registry`, ``backends`` and ``scores``); the
 knobs and their defaults
@@ -34,6 +35,7 @@ from zoomr.kvstore.rkv import RKVConfig
 from zoomr.kvstore.snapkv import SnapKVConfig
 from zoomr.kvstore.streaming import StreamingConfig
 from zoomr.kvstore.sumr import SumRConfig
+from zoomr.kvstore.triattention import TriAttentionConfig
 from zoomr.kvstore.zoomr import ZoomRConfig
 
 
@@ -226,15 +228,22 @@ def _sumr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
     return lambda: SumRCells(n_ctx, config.window, config.summaries, events, config.segment_tokens)
 
 
-def _scored(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+def _scored(config, n_ctx: int, buffer: int, events: EventBus | None, cells: type | None = None) -> Factory:
     from .scored import PREFILL_ROOM, ScoredCells
 
-    first = ScoredCells(config)   # validates the knobs now, before any model loads
+    cells = cells or ScoredCells
+    first = cells(config)   # validates the knobs now, before any model loads
     if first.bound > n_ctx:
         raise ValueError(f"{first.name}: --budget {config.budget} + {first.bound - config.budget} buffered tokens "
                          f"exceed -c {n_ctx}")
     room = max(1, min(PREFILL_ROOM, n_ctx - first.bound))   # cells need not outgrow the positions -c allows
-    return lambda: ScoredCells(config, room)
+    return lambda: cells(config, room)
+
+
+def _triattention(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
+    from .triattention_cells import TriAttentionCells
+
+    return _scored(config, n_ctx, buffer, events, TriAttentionCells)
 
 
 def _zoomr(config, n_ctx: int, buffer: int, events: EventBus | None) -> Factory:
@@ -263,7 +272,8 @@ def can_fork(name: str) -> bool:
 # agree (kvstore may not import a backend, so the registry cannot hold these factories itself).
 CELL_POLICIES: dict[type[PolicyConfig], Callable[..., Factory]] = {
     FullConfig: _full, StreamingConfig: _streaming, SumRConfig: _sumr,
-    H2OConfig: _scored, SnapKVConfig: _scored, RKVConfig: _scored, KeyDiffConfig: _scored, ZoomRConfig: _zoomr}
+    H2OConfig: _scored, SnapKVConfig: _scored, RKVConfig: _scored, KeyDiffConfig: _scored, ZoomRConfig: _zoomr,
+    TriAttentionConfig: _triattention}
 
 
 def make_policy(name: str, n_ctx: int, *, buffer: int = STREAMING_BUFFER, events: EventBus | None = None,

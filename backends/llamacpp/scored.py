@@ -14,6 +14,15 @@ hole (``llama_memory_seq_rm`` only) and every cell keeps the position, and so th
 as the torch backend keeps original positions. So the same tokens give both backends the same scores up to
 llama.cpp's arithmetic (quantized dot products, an f16 cache), and ``benchmarks/policy_parity.py`` counts the
 decisions on which they agree.
+
+When R-KV and SnapKV compress is the torch policy's own schedule (:mod:`zoomr.kvstore.schedule`): R-KV leaves
+the prompt whole until the first decode step after a multiple of 128 positions was written, so the cells hold
+up to that multiple + 1 (≤ P + 128). The cells are sized before any prompt is seen, at ``cap`` = the policy's
+bound + ``room`` (512 by default), so prompts up to about B + ``room`` stay whole as on the torch backend; the
+schedule's hard cap is set to ``cap``, so a longer prompt, prefilled in chunks, is compressed whenever the cells
+fill, and its first decode steps attend at most ``cap``. The schedule's prompt is the sequence's first forward,
+so a prompt longer than ``n_batch`` (512), prefilled in chunks, is one prompt chunk and then decode-phase
+forwards to it: R-KV compresses at a chunk that writes a multiple of 128 (the second writes position 512).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import torch
 
 from zoomr.kvstore.knobs import PolicyConfig
 from zoomr.kvstore.policy import ForwardInfo, LayerView, PolicyContext, ScoredPolicy
+from zoomr.kvstore.schedule import BufferSchedule
 
 from .sequence import position_ranges
 
@@ -74,8 +84,8 @@ class ScoredCells:
 
     :meth:`bind` attaches it to the model's shapes before the first forward.
     Attributes:
-        cap: bound + room, the most cells the sequence holds (tokens); bound: ``budget + slack``, the most
-            cells a decode step attends (tokens).
+        cap: the policy's bound before any prompt (``budget + slack``) + room: the most cells the sequence holds
+            (tokens).
     """
 
     evicts = True
@@ -92,12 +102,20 @@ class ScoredCells:
         if not isinstance(policy, ScoredPolicy):
             raise TypeError(f"{type(policy).__name__} is not a score-ranked policy")
         self.policy, self.name = policy, policy.name
-        self.bound = policy.bound_tokens
-        self.cap = self.bound + room
+        self.cap = policy.bound_tokens + room
+        schedule = getattr(policy, "schedule", None)   # R-KV, SnapKV: compress when the cells fill, off-schedule
+        if isinstance(schedule, BufferSchedule):
+            schedule.hard_cap = self.cap
         self.keys: torch.Tensor | None = None                  # [L·Hkv, n, d] keys of the resident cells
         self.positions = torch.empty(0, dtype=torch.long)      # [n] their positions, ascending
         self._kq: tuple[list[np.ndarray], list[np.ndarray]] | None = None
         self._keep: torch.Tensor | None = None                 # the last selection's positions, until evicted
+
+    @property
+    def bound(self) -> int:
+        """The most cells a decode step attends (tokens): the policy's ``bound_tokens``, which for R-KV grows
+        with the prompt once it was seen (at most ``cap``)."""
+        return self.policy.bound_tokens
 
     def bind(self, shapes: Shapes) -> None:
         """Attach to a loaded model (once, before the first forward)."""

@@ -5,14 +5,17 @@ token retrieval") and §3.3–3.4 (prompt kept whole, recent window, recompute a
 boundaries). Segments come from the backend-neutral tracker :mod:`zoomr.kvstore.segments` (delimited
 summaries, or paragraph segments with an extractive stand-in when the model writes none).
 
-Differences from the torch backend's SumR (``zoomr.kvstore.sumr``), all forced by llama.cpp keeping no
-copy of an evicted cell:
-- The segment still being written is never evicted (its summary is not known yet), so it stays
-  attended; the torch policy hides its older part until it closes. Either way it is bounded: a summary
-  must close within 4 × ``segment_tokens`` tokens, else the tracker cuts blocks as in ``auto``.
-- A selection only shrinks: a closed segment's regular tokens go at the first boundary after it
-  closes and never return, which is exactly SumR (it never zooms in) and why ZoomR itself is not
-  offered here.
+Positions are never shifted: an evicted run of cells leaves a hole (``llama_memory_seq_rm`` only), every cell
+keeps the position, and so the rotation, it was written at, and the next token goes at the positions written,
+as on the torch backend (and as the score-ranked policies here, :mod:`zoomr.backends.llamacpp.scored`). So, as
+there, ``-c`` bounds the positions written, i.e. the generation's length.
+
+Otherwise the rule is the torch backend's SumR (``zoomr.kvstore.sumr``): the same segments, recomputes at the
+same boundaries, the segment still being written kept whole beside the window (its summary is not known yet;
+a summary must close within 4 × ``segment_tokens`` tokens, else the tracker cuts blocks as in ``auto``). The
+one thing llama.cpp adds, keeping no copy of an evicted cell, is that a selection only shrinks: a closed
+segment's regular tokens go at the first boundary after it closes and never return, which is exactly SumR
+(it never zooms in) and why ZoomR runs differently here (:mod:`zoomr.backends.llamacpp.zoomr_cells`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class SumRCells:
     The first :meth:`observe` of a sequence is its prompt. Later ones feed the segment tracker; when the
     text so far ends at a semantic boundary, or ``segment_tokens`` tokens went by without one
     (:class:`~zoomr.kvstore.segments.RecomputeClock`), the engine evicts every resident position outside the
-    selection (one ``seq_rm`` + ``seq_add`` per evicted run). At the cap (``-c``) it evicts the same
+    selection (one ``seq_rm`` per evicted run, leaving a hole). At the cap (``-c``) it evicts the same
     way, or reports a full context when nothing is evictable.
 
     Args:
@@ -48,7 +51,7 @@ class SumRCells:
     evicts = True
     wants_text = True
     wants_kq = False
-    shifts = True
+    shifts = False      # evicted cells leave holes; positions stay as written (as on torch)
 
     def __init__(self, n_ctx: int, window: int, summaries: str = "auto", events: EventBus | None = None,
                  segment_tokens: int = SEGMENT_TOKENS):

@@ -16,6 +16,7 @@ from zoomr.backends.tokenizer import HFTokenizer, LlamaCppTokenizer
 from zoomr.kvstore.base import FullKVCache, KVCache
 from zoomr.kvstore.registry import REFERENCE, PolicySpec
 
+from .calibrate import bind_query_stats
 from .model import Decoder, default_kv_dtype
 from .ggml_ops import available as ggml_available
 from .quant import FP32_QUANT_MODES, check_quant, fp16_gemm_available
@@ -274,8 +275,15 @@ class TorchBackend:
                 f"{' · compiled decode' if self.model.compiled else ''}{over}")
 
     def new_sequence(self) -> TorchSequence:
-        """An empty sequence with a fresh cache from the cache factory."""
-        return TorchSequence(self.cache_factory(self))
+        """An empty sequence with a fresh cache from the cache factory; a policy that scores with calibrated query
+        statistics (TriAttention) gets this model's, calibrated on first use (:mod:`.calibrate`).
+
+        Raises:
+            StatsFileError: its statistics file is missing, corrupt or of another RoPE (a ValueError).
+        """
+        cache = self.cache_factory(self)
+        bind_query_stats(self, cache)
+        return TorchSequence(cache)
 
     def _forward(self, seq: TorchSequence, ids: list[int], all_logits: bool) -> np.ndarray:
         if not ids:

@@ -1,4 +1,4 @@
-"""SumR on llama.cpp: closed segments keep only their summaries, evicted with seq_rm + seq_add."""
+"""SumR on llama.cpp: closed segments keep only their summaries, evicted with seq_rm (holes, positions as written)."""
 
 import numpy as np
 import pytest
@@ -41,11 +41,15 @@ def teacher_force(be, seq, text: str) -> list[int]:
 
 
 def check_resident(be, seq, written: list[int]) -> None:
-    """llama.cpp holds exactly zoomr's cells, at compact positions, with the right ids; the prompt and every
-    closed segment's summary are resident; the rest of each closed segment, before the window, is not.
-    Valid right after a recompute (text ending at a semantic boundary)."""
+    """llama.cpp holds exactly zoomr's cells, at the positions they were written at (evictions leave holes, as on
+    the torch backend), with the right ids; the prompt and every closed segment's summary are resident; the rest
+    of each closed segment, before the window, is not. Valid right after a recompute (text ending at a semantic
+    boundary)."""
     pol = seq.policy
-    assert be.cells_held(seq) == len(seq.tokens)
+    assert be.cells_held(seq) == seq.n_written - seq.origin[0]   # llama.cpp's span: first to last position
+    assert seq.origin[-1] == seq.n_written - 1 and seq.next_position == seq.n_written
+    if seq.evicted_tokens:
+        assert len(seq.tokens) < seq.n_written   # the holes are real: fewer cells than positions
     assert seq.tokens == [written[p] for p in seq.origin]
     resident = set(seq.origin)
     assert set(range(pol.n_prompt)) <= resident

@@ -156,11 +156,14 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     assert r.returncode == 0, r.stderr
     recs = _records(out)
     keys = Counter((j["problem_id"], j["policy"], j["budget"]) for j in recs)
-    assert set(keys.values()) == {1} and len(keys) == 2 * 3  # full kept, best-of-n and rescue added
+    # full kept; the sampled full-KV reference, best-of-n and rescue added
+    assert set(keys.values()) == {1} and len(keys) == 2 * 4
     for rec in recs:
-        if rec["policy"] == "best-of-n":  # eviction-only: the helper never proposes a step
+        if rec["policy"] in ("best-of-n", "full-best-of-n"):  # eviction-only: the helper never proposes a step
             assert rec["candidates"]["helper"] == 0 and rec["helper_share"] == 0 and rec["base_tokens"] > 0
             assert rec["aborted"] == 0 and rec["early_exit"] is False  # the paper's baseline: no early exit
+        if rec["policy"] == "full-best-of-n":   # the same best-of-N on full KV, once per problem
+            assert rec["budget"] is None and rec["mean_active_bytes"] == rec["mean_full_bytes"]
         if rec["policy"] == "rescue":
             assert rec["candidates"]["helper"] == rec["steps"] and rec["candidates"]["base"] == rec["steps"]
             assert 0 <= rec["helper_share"] <= 1 and rec["tokens_generated"] <= 12
@@ -168,8 +171,9 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
             # the helper's KV is part of the method's memory
             assert rec["method_kv_bytes_mean"] >= rec["mean_active_bytes"] + rec["helper_kv_bytes_mean"]
             assert rec["helper_kv_bytes_mean"] > 0
-        if rec["policy"] in ("rescue", "best-of-n"):
+        if rec["policy"] in ("rescue", "best-of-n", "full-best-of-n"):
             assert rec["scorer"].startswith("likelihood:") and rec["helper_is_base"] is True
+            assert rec["detector"] == "zoomr"
     assert "proves little" in r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["rescue"]["nb"] == 1 and summary["config"]["n_predict"] == 12
@@ -177,6 +181,10 @@ def test_rescue_cells_added_to_a_finished_bench_by_resume(tmp_path):
     bon = [r["base_tokens"] for r in recs if r["policy"] == "best-of-n"]
     res = [r["base_tokens"] for r in recs if r["policy"] == "rescue"]
     assert row["budget"] == 16 and abs(row["base_token_ratio"] - sum(res) / sum(bon)) < 1e-9
+    # the recovered fraction's A_full is the sampled full-KV cell's, not the greedy full cell's
+    acc = {p: sum(r["correct"] for r in recs if r["policy"] == p) / 2 for p in ("full", "full-best-of-n")}
+    assert row["full_reference"] == "sampled" and row["acc_full"] == acc["full-best-of-n"]
+    assert row["acc_full_greedy"] == acc["full"] and row["scorer"] == "likelihood scorer, no PRM"
     # resuming a finished bench redraws table and files from the records without loading any model
     (out / "summary.json").unlink()
     r = subprocess.run(zoomr_cmd() + small + rescue, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
@@ -224,13 +232,22 @@ def test_rescue_rows_recovered_fraction_and_base_token_ratio():
         return {"policy": policy, "budget": budget, "accuracy": accuracy, "no_answer_at_cap_rate": no_answer,
                 "helper_share": None, "base_tokens": None, **kw}
 
+    # the greedy full cell (1.0) is the fidelity reference; the fraction's A_full is the sampled full-KV
+    # best-of-N (0.75), same sampling and seeds as rescue and best-of-N
     rows = [row("full", None, 1.0, 0.0), row("rkv", 64, 0.25, 0.5),
+            row("full-best-of-n", None, 0.75, 0.0, base_tokens=300, helper_share=0.0),
             row("best-of-n", 64, 0.0, 1.0, base_tokens=400, helper_share=0.0, method_kv_bytes_mean=3000),
-            row("rescue", 64, 0.5, 0.5, base_tokens=200, helper_share=0.375, method_kv_bytes_mean=5000),
+            row("rescue", 64, 0.5, 0.5, base_tokens=200, helper_share=0.375, method_kv_bytes_mean=5000,
+                scorer="likelihood:/m/smollm2.gguf"),
             row("rescue", 128, 0.75, 0.0, base_tokens=100, helper_share=0.25)]   # its best-of-n has not run yet
     r64, r128 = rescue_rows(rows)
-    assert r64["acc_full"] == 1.0 and r64["acc_best_of_n"] == 0.0 and r64["acc_rescue"] == 0.5
-    assert r64["recovered_fraction"] == 0.5 and r64["helper_share"] == 0.375
+    assert r64["acc_full"] == 0.75 and r64["acc_best_of_n"] == 0.0 and r64["acc_rescue"] == 0.5
+    assert (r64["full_reference"], r64["full_reference_cell"], r64["acc_full_greedy"]) == ("sampled", "full-best-of-n", 1.0)
+    assert r64["recovered_fraction"] == 0.5 / 0.75 and r64["helper_share"] == 0.375
+    assert r64["scorer"] == "likelihood scorer, no PRM" and r128["scorer"] is None
+    # without the sampled reference (a bench still running) there is no fraction: the greedy one is never used
+    (no_ref,) = rescue_rows([r for r in rows if r["policy"] != "full-best-of-n" and r["budget"] != 128])
+    assert no_ref["acc_full"] is None and no_ref["acc_full_greedy"] == 1.0 and no_ref["recovered_fraction"] is None
     assert r64["base_token_ratio"] == 200 / 400 and r64["no_answer_at_cap_best_of_n"] == 1.0
     assert r64["no_answer_at_cap_rescue"] == 0.5
     assert (r64["method_kv_bytes_mean_rescue"], r64["method_kv_bytes_mean_best_of_n"]) == (5000, 3000)

@@ -12,7 +12,6 @@ import pytest
 
 from zoomr.backends.llamacpp.policies import STREAMING_BUFFER
 from conftest import ROOT, sigint_default, wait_for, zoomr_cmd
-from zoomr.kvstore.rkv import RKVPolicy
 from conftest import ENV, assert_one_line_error, zoomr
 from zoomr.errors import UserError
 from zoomr.options import RunOptions
@@ -48,7 +47,9 @@ def check_record(rec: dict, steps_max: int, step_tokens: int, kv_bound: int) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,policy,step_tokens,bound", [
-    ("torch", "rkv", 16, 32 + RKVPolicy(32).slack),                  # R-KV: B + headroom buffer w (128)
+    # R-KV keeps the ~200-token prompt whole until position 256 is written (in the second of 3 steps of 32 tokens),
+    # so it attends up to 256 + 1 in a decode step, or 256 + 32 in a forward that prefills the helper's step
+    ("torch", "rkv", 32, 256 + 32),
     ("llamacpp", "streaming", 24, 32 + STREAMING_BUFFER),            # llama.cpp streaming: B + its eviction buffer
 ])
 def test_rescue_end_to_end(tmp_path, backend, policy, step_tokens, bound):
@@ -146,6 +147,12 @@ def test_bad_input_is_one_line_exit_2():
     (RescueOptions(rescue=True, helper="nope/missing.gguf"), RunOptions(), "--helper: nope/missing.gguf: no such model"),
     # the paper preset names hub models; offline and uncached they are refused before anything loads
     (RescueOptions(rescue=True, preset="paper"), RunOptions(), "Qwen/Qwen2.5-Math-7B-Instruct"),
+    (RescueOptions(rescue=True, detector="gzip"), RunOptions(), "--detector 'gzip' unknown (choose from zoomr, paper)"),
+    # the paper's detector has no cycle rule: a threshold only zoomr's reads is named, not ignored
+    (RescueOptions(rescue=True, detector="paper", abort_repeat=128), RunOptions(),
+     "--abort-repeat is read by --detector zoomr only"),
+    (RescueOptions(rescue=True, detector="paper", abort_copies=0), RunOptions(),
+     "--abort-copies is read by --detector zoomr only"),
 ])
 def test_flags_are_checked_before_any_model_loads(ropts, opts, needle):
     with pytest.raises((UserError, ValueError)) as e:
@@ -155,14 +162,14 @@ def test_flags_are_checked_before_any_model_loads(ropts, opts, needle):
 
 def test_every_rescue_flag_without_rescue_is_refused_by_name():
     values = {"base_policy": "rkv", "helper": "m", "prm": "p", "abort_entropy": 1.0, "abort_gzip": 0.1,
-              "detector": True, "preset": "paper"}
+              "detector": "paper", "early_exit": True, "preset": "paper"}
     for name in (f.name for f in dataclasses.fields(RescueOptions) if f.name != "rescue"):
         flag = "--" + name.replace("_", "-")
         with pytest.raises(UserError, match=f"^{flag} needs --rescue$"):
             needs_rescue(RescueOptions(**{name: values.get(name, 1)}))
         assert needs_rescue(RescueOptions(rescue=True, **{name: values.get(name, 1)})).rescue
     with pytest.raises(UserError, match="^--no-detector needs --rescue$"):
-        needs_rescue(RescueOptions(detector=False))
+        needs_rescue(RescueOptions(early_exit=False))
     assert needs_rescue(RescueOptions()) == RescueOptions()
 
 
@@ -178,6 +185,7 @@ def test_plan_defaults_and_backend_choice():
     assert (off.repeat_chars, off.max_copies) == (0, 0)
     assert plan.base_opts.policy == "rkv" and plan.helper_opts.policy == "full" and plan.prm is None
     assert c.early_exit is True   # the detector is on unless --no-detector
+    assert c.detector.name == "zoomr"   # the calibrated detector unless --detector paper
     llama = plan_rescue(RescueOptions(rescue=True, nh=0), RunOptions(backend="llamacpp"))
     assert llama.base_opts.policy == "streaming" and llama.config.nh == 0 and llama.notes
 
@@ -194,7 +202,9 @@ def test_no_detector_is_the_papers_eviction_only_best_of_n(tmp_path):
     assert rec["settings"]["early_exit"] is False and rec["aborted"] == 0 and len(rec["steps"]) == 2
     assert "detector off" in r.stderr
     kv = rec["kv_trajectory"]["base"]
-    assert kv["tokens"] == sum(st["tokens"] for st in rec["steps"]) and kv["mean_active_tokens"] <= 32 + 128
+    # R-KV attends the ~200-token prompt whole until position 256 is written: its bound is 256 + 1, not B + 128
+    assert rec["kv"]["base"]["bound_tokens"] == 256 + 1
+    assert kv["tokens"] == sum(st["tokens"] for st in rec["steps"]) and kv["mean_active_tokens"] <= 256 + 1
 
 
 def test_the_cli_runs_the_library_runner(tmp_path, monkeypatch, capsys):

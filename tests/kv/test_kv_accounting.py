@@ -26,8 +26,9 @@ def run(spec: PolicySpec, prompt: int, generated: int):
 
 
 def test_saving_does_not_swing_with_where_an_rkv_cycle_stops():
-    # R-KV with B = 16 compresses to 16 whenever 16 + 128 positions are attended: the last-token ratio
-    # full/active jumps ~9× between the step before a compression and the step after it
+    # R-KV with B = 16 compresses to 16 on the decode step after every 128th position written (R-KV's
+    # schedule): the last-token ratio full/active jumps ~9× between the step before a compression and the
+    # step after it
     spec = PolicySpec("rkv", 16)
     stops = [1100, 1130, 1160, 1190]  # four points of one 128-token cycle, after eight cycles
     stats = [run(spec, 40, n) for n in stops]
@@ -35,8 +36,9 @@ def test_saving_does_not_swing_with_where_an_rkv_cycle_stops():
     assert max(last_token) / min(last_token) > 1.5          # the old figure depends on the stop point
     savings = [s.saving for s in stats]
     assert max(savings) / min(savings) < 1 + TOLERANCE, savings
-    # just before and just after one compression: two tokens apart
-    before, after = run(spec, 40, 1127), run(spec, 40, 1129)
+    # just before and just after one compression, two tokens apart: decode step 1113 (40 + 1112 = 9 × 128
+    # positions written before it) attends 16 + 128 and compresses
+    before, after = run(spec, 40, 1112), run(spec, 40, 1114)
     assert before.active_tokens > 3 * after.active_tokens
     assert after.saving == pytest.approx(before.saving, rel=0.01)
     for s in stats:

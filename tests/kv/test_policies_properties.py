@@ -2,7 +2,8 @@
 
 * positions attended are unique, sorted, inside [0, positions written) and the new token is last;
 * the recent window (as of the last selection, + the new token) is always attended (and the prompt, for SumR/ZoomR; the sinks for streaming);
-* a budgeted policy never attends more than B + slack positions in a decode step.
+* a budgeted policy never attends more than its ``bound_tokens`` in a decode step (B + slack, or for R-KV,
+  which leaves the prompt whole until its first compression, the first multiple of the buffer ≥ P, + 1).
 """
 
 import pytest
@@ -70,7 +71,7 @@ def test_policy_invariants_over_a_long_run(name, budget, window_frac, buffer, n_
                     recent |= set(range(min(policy.sink, n)))
                 assert recent <= set(row), "window (and prompt/sinks) must stay attended"
             if i > 0 and policy.budget is not None:
-                assert pos.shape[1] <= policy.budget + policy.slack
+                assert pos.shape[1] <= policy.bound_tokens
         start, T = n, 1
     stats = cache.stats()
     assert stats.full_tokens == n and stats.active_tokens <= n and stats.peak_active_tokens <= n

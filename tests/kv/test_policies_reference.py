@@ -93,38 +93,79 @@ def test_h2o_accumulated_attention_heavy_hitters():
     assert any(got[f][0][0] != got[f][0][1] for f in range(len(got)))   # heads really choose differently
 
 
+def snapkv_keep(q, k, l, kv, keys, obs, B, W, kernel):
+    """SnapKV's kept positions of layer ``l``, KV head ``kv`` (attending ``keys``), literally: the queries at
+    ``obs`` attend causally, each key's attention summed over them and averaged over the group's query heads,
+    an average pool (zero padding counted), the top B − W of all but the newest W, plus those W."""
+    G, d = q.shape[1] // k.shape[1], q.shape[-1]
+    cand = keys[:-W]
+    score = {p: 0.0 for p in cand}
+    for hq in range(kv * G, (kv + 1) * G):
+        for t in obs:
+            visible = [p for p in keys if p <= t]
+            probs = softmax([dot(q[l, hq, t], k[l, kv, p]) / math.sqrt(d) for p in visible])
+            for p, pr in zip(visible, probs):
+                if p in score:
+                    score[p] += pr / G
+    pooled = {}
+    for j, p in enumerate(cand):
+        window = [score[cand[j + o]] for o in range(-(kernel // 2), kernel // 2 + 1) if 0 <= j + o < len(cand)]
+        pooled[p] = sum(window) / kernel    # zero padding counts in the average
+    return sorted(top(cand, pooled, B - W) + keys[-W:])
+
+
+def rkv_keep(q, k, l, kv, keys, obs, B, W, lam, kernel):
+    """R-KV's kept positions of layer ``l``, KV head ``kv`` (attending ``keys``), literally: importance from the
+    queries at ``obs`` (logits max over the group's query heads, softmax over all but the newest W keys, mean,
+    max pool), minus redundancy, the top B − W of all but the newest W, plus those W."""
+    G, d = q.shape[1] // k.shape[1], q.shape[-1]
+    cand = keys[:-W]
+    imp = [0.0] * len(cand)
+    for t in obs:
+        logits = [max(dot(q[l, hq, t], k[l, kv, p]) for hq in range(kv * G, (kv + 1) * G)) / math.sqrt(d)
+                  for p in cand]
+        for j, pr in enumerate(softmax(logits)):
+            imp[j] += pr / len(obs)
+    pooled = [max(imp[j + o] for o in range(-(kernel // 2), kernel // 2 + 1) if 0 <= j + o < len(cand))
+              for j in range(len(cand))]
+    red = rkv_redundancy([k[l, kv, p] for p in keys])
+    score = {p: lam * pooled[j] - (1 - lam) * red[j] for j, p in enumerate(cand)}
+    return sorted(top(cand, score, B - W) + keys[-W:])
+
+
+def rkv_schedule(f, s, n_attended, B, buf):
+    """R-KV's runner, literally: its counter is the positions written (prompt included); after each forward the
+    flag is ``counter % buf == 0``; a decode forward (never the prompt's, f = 0) after a set flag appends its
+    token and compresses when at least B positions are held. A one-token forward at ``s`` follows a counter of s."""
+    return f > 0 and s % buf == 0 and n_attended >= B
+
+
+def snapkv_schedule(f, s, n_attended, B, buf):
+    """SnapKV: the prompt when longer than B (SnapKV's prefill), then R-KV's schedule (its runner's SnapKV)."""
+    return n_attended > B if f == 0 else rkv_schedule(f, s, n_attended, B, buf)
+
+
+def reference(schedule, keep, n_layers=L, n_kv=HKV):
+    """``make(B, W, buf, **knobs)`` gives a ``replay`` selection rule: per layer, when ``schedule(f, s, attended,
+    B, buf)`` says so, ``keep(..., B, W, **knobs)`` per KV head with the layer's last W queries observed."""
+    def make(B, W, buf, **knobs):
+        def ref(q, k, f, s, T, text, att):
+            n = s + T
+            obs = list(range(n - W, n))          # the last W queries of the layer
+            sel = []
+            for l in range(n_layers):
+                if not schedule(f, s, len(att[l][0]), B, buf):
+                    sel.append(None)
+                    continue
+                sel.append([keep(q, k, l, kv, att[l][kv], obs, B, W, **knobs) for kv in range(n_kv)])
+            return sel
+        return ref
+    return make
+
+
 def test_snapkv_observation_window_pooled():
     B, W, buf, kernel = 12, 4, 8, 5
-
-    def ref(q, k, f, s, T, text, att):
-        n = s + T
-        obs = list(range(n - W, n))          # the last W queries of the layer
-        sel = []
-        for l in range(L):
-            if len(att[l][0]) < B + buf:
-                sel.append(None)
-                continue
-            rows = []
-            for kv in range(HKV):
-                keys = att[l][kv]
-                cand = keys[:-W]
-                score = {p: 0.0 for p in cand}
-                for hq in range(kv * G, (kv + 1) * G):
-                    for t in obs:
-                        visible = [p for p in keys if p <= t]
-                        probs = softmax([dot(q[l, hq, t], k[l, kv, p]) / math.sqrt(D) for p in visible])
-                        for p, pr in zip(visible, probs):
-                            if p in score:
-                                score[p] += pr / G
-                pooled = {}
-                for j, p in enumerate(cand):
-                    window = [score[cand[j + o]] for o in range(-(kernel // 2), kernel // 2 + 1)
-                              if 0 <= j + o < len(cand)]
-                    pooled[p] = sum(window) / kernel    # zero padding counts in the average
-                rows.append(sorted(top(cand, pooled, B - W) + keys[-W:]))
-            sel.append(rows)
-        return sel
-
+    ref = reference(snapkv_schedule, snapkv_keep)(B, W, buf, kernel=kernel)
     check(SnapKVPolicy(B, W, kernel=kernel, buffer=buf), ref, ["x"] * 45, 22)
 
 
@@ -141,33 +182,7 @@ def rkv_redundancy(keys_vecs):
 
 def test_rkv_attention_minus_redundancy():
     B, W, buf, lam, kernel = 16, 8, 16, 0.1, 7
-
-    def ref(q, k, f, s, T, text, att):
-        n = s + T
-        obs = list(range(n - W, n))
-        sel = []
-        for l in range(L):
-            if len(att[l][0]) < B + buf:
-                sel.append(None)
-                continue
-            rows = []
-            for kv in range(HKV):
-                keys = att[l][kv]
-                cand = keys[:-W]
-                imp = [0.0] * len(cand)
-                for t in obs:
-                    logits = [max(dot(q[l, hq, t], k[l, kv, p]) for hq in range(kv * G, (kv + 1) * G)) / math.sqrt(D)
-                              for p in cand]
-                    for j, pr in enumerate(softmax(logits)):
-                        imp[j] += pr / W
-                pooled = [max(imp[j + o] for o in range(-(kernel // 2), kernel // 2 + 1) if 0 <= j + o < len(cand))
-                          for j in range(len(cand))]
-                red = rkv_redundancy([k[l, kv, p] for p in keys])
-                score = {p: lam * pooled[j] - (1 - lam) * red[j] for j, p in enumerate(cand)}
-                rows.append(sorted(top(cand, score, B - W) + keys[-W:]))
-            sel.append(rows)
-        return sel
-
+    ref = reference(rkv_schedule, rkv_keep)(B, W, buf, lam=lam, kernel=kernel)
     check(RKVPolicy(B, W, mix=lam, kernel=kernel, buffer=buf), ref, ["x"] * 60, 20)
 
 
@@ -217,11 +232,12 @@ def base_context(n_prompt, t, w, open_start=None):
     return set(range(n_prompt)) | set(range(max(n_prompt, recent), t + 1))
 
 
-def zoomr_reference(texts, k_top, c, segments_of, ags):
+def zoomr_reference(texts, k_top, c, segments_of, ags, paper_ags=None):
     """ZoomR §3.3 / Algorithm 1 at every semantic boundary; ``segments_of(t)`` gives the closed segments
     as (R_i positions, S_i positions, positions whose keys are averaged into k̄_i). The candidates are the
-    segments that start before the recent window; AG is recorded only with more than max(c, k) of them
-    (with fewer it is fixed by construction)."""
+    segments that start before the recent window; the selection's AG (``ags``) is recorded only with more
+    than max(c, k) of them (with fewer it is fixed by construction). ``paper_ags``: the paper's AG (§4), a
+    vote of every head over all the closed summaries, at every recompute that has one."""
     def ref(q, k, f, s, T, text, att):
         t = s + T - 1
         if f == 0 or not ends_sentence(texts, t - N_PROMPT):
@@ -232,12 +248,17 @@ def zoomr_reference(texts, k_top, c, segments_of, ags):
         # only segments starting before the window are voted on: one wholly inside it is attended anyway
         cand = [i for i, (r, s_, _) in enumerate(segs) if min(r + s_) < recent]
         votes = [0] * len(segs)
+        every = [0] * len(segs)
         for l in range(L):
             kbar = [[np.mean([k[l, kv, p] for p in key], axis=0) for _, _, key in segs] for kv in range(HKV)]
             for hq in range(H):
-                alpha = {i: dot(q[l, hq, t], kbar[hq // G][i]) for i in cand}
+                alpha = {i: dot(q[l, hq, t], kbar[hq // G][i]) for i in range(len(segs))}
                 for i in sorted(cand, key=lambda i: -alpha[i])[:k_top]:
                     votes[i] += 1
+                for i in sorted(alpha, key=lambda i: -alpha[i])[:k_top]:
+                    every[i] += 1
+        if paper_ags is not None and segs:
+            paper_ags.append(sum(sorted(every, reverse=True)[:c]) / sum(every))
         voted = [i for i in range(len(segs)) if votes[i] > 0]
         ranked = sorted(voted, key=lambda i: (-votes[i], -i))
         zoom, summ = ranked[:c], ranked[c:]
@@ -259,10 +280,11 @@ def auto_segments(t):
 
 @pytest.mark.parametrize("k_top,c", [(2, 2), (1, 1), (3, 0)])
 def test_zoomr_auto_paragraphs(k_top, c):
-    ags = []
+    ags, paper_ags = [], []
     policy = ZoomRPolicy(WINDOW, k_top, c, "auto", segment_tokens=WINDOW)   # every "\n\n" closes (≥ 3 tokens)
-    got = check(policy, zoomr_reference(TEXTS, k_top, c, auto_segments, ags), TEXTS, N_PROMPT, seed=3)
-    assert policy.ag == pytest.approx(ags) and len(ags) >= 5
+    got = check(policy, zoomr_reference(TEXTS, k_top, c, auto_segments, ags, paper_ags), TEXTS, N_PROMPT, seed=3)
+    assert policy.ag_candidates == pytest.approx(ags) and len(ags) >= 5
+    assert policy.ag == pytest.approx(paper_ags) and len(paper_ags) > len(ags)
     assert len(got[-1][0][0]) < N_PROMPT + len(TEXTS)       # something really was left out
 
 
@@ -286,10 +308,11 @@ def model_segments(t):
 
 
 def test_zoomr_model_summaries_use_summary_mean_keys():
-    ags = []
+    ags, paper_ags = [], []
     policy = ZoomRPolicy(WINDOW, 2, 1, "model")
-    check(policy, zoomr_reference(MODEL_TEXTS, 2, 1, model_segments, ags), MODEL_TEXTS, N_PROMPT, seed=5)
-    assert policy.tracker.mode_ran() == "model" and policy.ag == pytest.approx(ags) and ags
+    check(policy, zoomr_reference(MODEL_TEXTS, 2, 1, model_segments, ags, paper_ags), MODEL_TEXTS, N_PROMPT, seed=5)
+    assert policy.tracker.mode_ran() == "model" and policy.ag_candidates == pytest.approx(ags) and ags
+    assert policy.ag == pytest.approx(paper_ags) and paper_ags
 
 
 def test_sumr_keeps_every_summary_and_never_zooms():

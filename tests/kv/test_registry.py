@@ -57,10 +57,10 @@ def test_a_knob_out_of_range_is_one_value_error_naming_its_flag(name, knob_name)
 
 
 def test_shipped_table_and_derived_lists():
-    assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
-    assert budgeted() == ("streaming", "h2o", "snapkv", "rkv", "keydiff")
+    assert policy_names() == ("full", "streaming", "h2o", "snapkv", "rkv", "keydiff", "triattention", "sumr", "zoomr")
+    assert budgeted() == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "triattention")
     assert policy_names("llamacpp") == policy_names()   # every shipped policy runs on both backends
-    assert evicting("llamacpp") == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
+    assert evicting("llamacpp") == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "triattention", "sumr", "zoomr")
     assert REFERENCE not in evicting()
     flags = knob_flags()
     assert flags["window"].readers == ("streaming", "h2o", "snapkv", "rkv", "keydiff", "sumr", "zoomr")
@@ -215,7 +215,7 @@ def test_an_eighth_policy_is_a_rescue_base_on_torch_and_refused_by_llamacpp(stri
     plan = plan_rescue(RescueOptions(rescue=True, base_policy="stride"), RunOptions(knobs={"stride": 3}))
     assert plan.base_opts.policy == "stride" and plan.helper_opts.knobs == {}
     refusal = (r"--policy stride has no llamacpp implementation; the llamacpp backend supports full, streaming, h2o, "
-                r"snapkv, rkv, keydiff, sumr")
+                r"snapkv, rkv, keydiff, triattention, sumr")
     with pytest.raises(ValueError, match=refusal):
         make_policy("stride", 256)
     with pytest.raises(UserError, match="--base-policy: " + refusal):

@@ -51,18 +51,25 @@ def paragraphs(n):
     return ["w", "w", "\n\n"] * n
 
 
-def test_ag_skips_recomputes_with_at_most_max_c_k_candidates():
+def test_papers_ag_at_every_recompute_and_the_selections_beside_it():
     # segment_tokens 6: blocks close at "\n\n" from 2 tokens, so each 3-token paragraph is one segment;
     # a 1-token window leaves every closed segment a candidate
     policy = ZoomRPolicy(1, 2, 2, "auto", segment_tokens=6)
     drive(policy, paragraphs(2) + ["w", "."] * 2, N_PROMPT)
     assert len(policy.tracker.segments) == 2 and policy.recomputes == 4
-    assert policy.ag == [] and policy.stats()["ag_mean"] is None and policy.stats()["ag_recomputes"] == 0
+    # the paper's AG (§4) is recorded at every recompute: with N_t = 2 ≤ c every vote is in I_c
+    assert policy.ag == [1.0] * 4 and policy.stats()["ag_mean"] == 1.0 and policy.stats()["ag_recomputes"] == 4
+    # the selection's own AG skips recomputes with at most max(c, k) candidates (fixed by construction)
+    stats = policy.stats()
+    assert policy.ag_candidates == [] and stats["ag_candidates_mean"] is None and stats["ag_candidates_recomputes"] == 0
     policy = ZoomRPolicy(1, 2, 2, "auto", segment_tokens=6)
     drive(policy, paragraphs(5) + ["w", "."] * 2, N_PROMPT, seed=1)
-    # the recomputes after the 3rd, 4th and 5th paragraph and at the 2 sentence ends count
-    assert len(policy.ag) == 5 and all(0 < a <= 1 for a in policy.ag)
-    assert policy.stats()["ag_recomputes"] == 5
+    # the recomputes after the 3rd, 4th and 5th paragraph and at the 2 sentence ends count for the selection's
+    assert len(policy.ag_candidates) == 5 and all(0 < a <= 1 for a in policy.ag_candidates)
+    assert policy.stats()["ag_candidates_recomputes"] == 5
+    # the paper's: every recompute with a closed segment (each paragraph's and the 2 sentence ends)
+    assert policy.stats()["ag_recomputes"] == policy.recomputes == 7 and all(0 < a <= 1 for a in policy.ag)
+    assert policy.ag[:2] == [1.0, 1.0]   # N_t ≤ c
 
 
 def test_memory_saving_formula_matches_the_papers_examples():

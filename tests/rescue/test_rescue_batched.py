@@ -130,8 +130,10 @@ def test_a_helper_on_the_base_weights_joins_the_base_batch_and_another_model_doe
 
 @pytest.mark.slow
 def test_a_candidate_aborted_mid_batch_leaves_and_the_rest_match(torch_backend):
-    """A detector tight enough to abort some base candidates after a few tokens while their batch-mates go on."""
-    config = RescueConfig(2, 2, 10, 2, 2048, detector=DetectorConfig(max_entropy=3.0, entropy_window=2,
+    """A detector tight enough to abort some base candidates after a few tokens while their batch-mates go on
+    (2 nats: R-KV keeps this 114-token prompt whole until position 120, so the base is less uncertain than when
+    its prompt was cut at the prefill, where 3 nats sufficed)."""
+    config = RescueConfig(2, 2, 10, 2, 2048, detector=DetectorConfig(max_entropy=2.0, entropy_window=2,
                                                                      entropy_guard=2))
     _, seq = solve(torch_backend, False, config)
     _, bat = solve(torch_backend, True, config)

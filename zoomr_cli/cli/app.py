@@ -148,6 +148,7 @@ def _register() -> None:
     if app.registered_commands:  # main() may run more than once in one process (tests)
         return
     from zoomr.cli.bench import bench_command
+    from zoomr.cli.calibrate import calibrate_command
     from zoomr.cli.chat import chat_command
     from zoomr.cli.finetune import finetune_command
     from zoomr.cli.solve import solve_command
@@ -156,6 +157,7 @@ def _register() -> None:
     app.command("chat")(_interruptible(chat_command))
     app.command("bench")(_interruptible(bench_command))
     app.command("finetune")(_interruptible(finetune_command))
+    app.command("calibrate")(_interruptible(calibrate_command))
 
 
 @contextlib.contextmanager

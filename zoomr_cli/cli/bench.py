@@ -35,7 +35,8 @@ def bench(
     dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
                                          "path or a hub data set id.")] = "gsm8k",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N problems only.")] = None,
-    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default bench_out/<dataset>).")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Output folder (default bench_out/<dataset>); one bench "
+                                          "writes it at a time (a second one is refused).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Skip cells already in <out>/records.jsonl.")] = False,
     match_budget: Annotated[bool, typer.Option("--match-budget", help=f"Baselines get {matched_target()}'s measured "
                                                "mean active KV as budget (the paper's fair comparison).")] = False,

@@ -63,7 +63,7 @@ class CtrlC:
 
 
 def print_summary(out: Output, s: dict) -> None:
-    """Answer, step sources, tokens, aborts and KV lines on stdout."""
+    """Answer, step sources, tokens, aborts, scorer, detector and KV lines on stdout."""
     out.result("answer", s["answer"] if s["answer"] is not None else "(none found)")
     n = len(s["steps"])
     helper = sum(st["source"] == "helper" for st in s["steps"])
@@ -72,6 +72,7 @@ def print_summary(out: Output, s: dict) -> None:
                f" · generated base {s['base_tokens']} tok, helper {s['helper_tokens']} tok · stop: {s['stop_reason']}",
                style="dim")
     out.result("scorer", s["scorer"] or "", style="dim")
+    out.result("detector", s["detector"] or "", style="dim")
     for role in ("base", "helper"):
         if role in s["kv"]:
             out.result("kv", _kv_line(role, s["kv"][role]), style="dim")

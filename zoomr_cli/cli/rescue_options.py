@@ -16,8 +16,8 @@ from .options import grouped_options
 PANEL = "KV-Rescue (--rescue)"
 
 
-def _opt(*names: str, help: str):
-    return typer.Option(*names, help=help, rich_help_panel=PANEL, show_default=False)
+def _opt(*names: str, help: str, **kw):
+    return typer.Option(*names, help=help, rich_help_panel=PANEL, show_default=False, **kw)
 
 
 _DECLS = {
@@ -29,7 +29,7 @@ _DECLS = {
                                         "llamacpp). Budget: --budget.")),
     "helper": (Optional[str], _opt("--helper", help="Helper model, full KV (default: the embedded model).")),
     "prm": (Optional[str], _opt("--prm", help="Process reward model (HF dir or hub id, Qwen2.5-Math-PRM "
-                                "architecture). Default: helper mean log-likelihood.")),
+                                "architecture). Default: helper mean log-likelihood (likelihood scorer, no PRM).")),
     "nb": (Optional[int], _opt("--nb", help="Base candidates per step (default 2); 0 runs the helper alone "
                                "(--nb and --nh may not both be 0).")),
     "nh": (Optional[int], _opt("--nh", help="Helper candidates per step (default 2). --nh 0 --no-detector is the "
@@ -43,12 +43,17 @@ _DECLS = {
     "abort_gzip": (Optional[float], _opt("--abort-gzip", help="Abort when the gzip ratio falls below this "
                                          "(default 0.18).")),
     "gzip_window": (Optional[int], _opt("--gzip-window", help="Characters in the gzip window (default 800).")),
-    "abort_repeat": (Optional[int], _opt("--abort-repeat", help="Abort when, with the gzip window full, this many "
-                                         "characters repeat the text one period earlier (default 256; 0: off).")),
-    "abort_copies": (Optional[int], _opt("--abort-copies", help="Abort when the text ends in this many copies of "
-                                         "one unit, digits read alike, or half as many covering 256 characters (a count; default 64; 0: off).")),
-    "detector": (Optional[bool], _opt("--detector/--no-detector", help="Abort degenerate base candidates early "
-                                      "(default on; --no-detector keeps every candidate, signals still shown).")),
+    "abort_repeat": (Optional[int], _opt("--abort-repeat", help="--detector zoomr: abort when, with the gzip window "
+                                         "full, this many characters repeat the text one period earlier (default "
+                                         "256; 0: off).")),
+    "abort_copies": (Optional[int], _opt("--abort-copies", help="--detector zoomr: abort when the text ends in this "
+                                         "many copies of one unit, digits read alike, or half as many covering 256 "
+                                         "characters (a count; default 64; 0: off).")),
+    "detector": (Optional[str], _opt("--detector", help="Degeneration detector: zoomr (default; calibrated: gzip "
+                                     "threshold scaled to the window's fill, cycle rules) or paper (KV-Rescue's as "
+                                     "stated: entropy > 7.0, gzip < 0.18 over 800 characters).", metavar="zoomr|paper")),
+    "early_exit": (Optional[bool], _opt("--early-exit/--no-detector", help="Abort degenerate base candidates early "
+                                        "(default on; --no-detector keeps every candidate, signals still shown).")),
     "preset": (Optional[str], _opt("--preset", help="Rescue preset from configs/rescue_NAME.toml, e.g. paper.")),
 }
 

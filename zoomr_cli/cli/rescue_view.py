@@ -49,7 +49,19 @@ def abort_reason(ev: CandidateAborted, detector: dict) -> str:
         if s.get("copies", 0) >= detector.get("max_copies", 64) > 0:
             return f"cycle: {s['copies']} copies of one unit (digits read alike)"
         return f"cycle: {s.get('repeat_chars', '?')} characters repeat every {s.get('period', '?')}"
-    return f"repetition: gzip {s['min_gzip_ratio']:.3f} < {detector.get('min_gzip_ratio', '?')}"
+    # what the ratio was compared with: zoomr's threshold scales with the window's fill, the paper's is constant
+    limit = s.get("gzip_threshold") or detector.get("min_gzip_ratio")
+    shown = f"{limit:.3f}" if isinstance(limit, (int, float)) else "?"
+    return f"repetition: gzip {s['min_gzip_ratio']:.3f} < {shown}"
+
+
+def detector_line(settings: dict) -> str:
+    """Which detector the run's ``settings`` name: ``zoomr (calibrated)`` or ``paper (KV-Rescue as stated)``."""
+    name = (settings.get("detector") or {}).get("name", "zoomr")
+    return f"{name} ({DETECTOR_NOTES.get(name, 'custom')})"
+
+
+DETECTOR_NOTES = {"zoomr": "calibrated", "paper": "KV-Rescue as stated"}
 
 
 class PlainView:
@@ -65,6 +77,7 @@ class PlainView:
             self.out.info(f"base: {ev.base}")
             self.out.info(f"helper: {ev.helper}")
             self.out.info(f"scorer: {ev.scorer}")
+            self.out.info(f"detector: {detector_line(ev.settings)}")
             if ev.settings.get("early_exit") is False:
                 self.out.info("degeneration detector off: no base candidate is aborted")
         elif isinstance(ev, CandidateAborted):
@@ -105,7 +118,8 @@ class LiveView:
             self._print_step(ev)
         elif isinstance(ev, RunStarted):
             off = "\ndetector off: no base candidate is aborted" if ev.settings.get("early_exit") is False else ""
-            self.console.print(Text(f"base   {ev.base}\nhelper {ev.helper}\nscorer {ev.scorer}{off}", style="dim"))
+            self.console.print(Text(f"base   {ev.base}\nhelper {ev.helper}\nscorer {ev.scorer}\n"
+                                    f"detector {detector_line(ev.settings)}{off}", style="dim"))
 
     def _apply(self, ev: Event) -> None:
         if isinstance(ev, RunStarted):

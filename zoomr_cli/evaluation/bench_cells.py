@@ -12,23 +12,24 @@ from zoomr.options import RunOptions
 
 from zoomr.evaluation.batching import CellRun, FidelityJob, GenerationJob, run_cell, teacher_forced_fidelity
 from zoomr.evaluation.match import TOLERANCE, match_error, match_fields, predict_budget
-from zoomr.evaluation.records import BEST_OF_N, MATCHED, RESCUE
+from zoomr.evaluation.records import FULL_BEST_OF_N, MATCHED, RESCUE_CELLS
 
 
 def runs_later(policy: str, budget) -> bool:
     """Whether cell (policy, budget) runs alone after its problem's batch: a matched-budget or rescue cell
     needs the matched target's record (and full KV's reference) of the same problem first."""
-    return policy in (RESCUE, BEST_OF_N) or budget == MATCHED
+    return policy in RESCUE_CELLS or budget == MATCHED
 
 
 def cell_policy(name: str, budget, rescue_base: str | None = None) -> tuple[str, int | str | None] | None:
     """The policy a cell builds and the budget knob it gets: (policy, budget in tokens, :data:`MATCHED`, or None
-    for a policy that sizes itself); a rescue cell builds its base policy. None: a rescue cell without a base.
+    for a policy that sizes itself); a rescue cell builds its base policy, full-best-of-n full KV. None: a rescue
+    cell without a base.
 
     Raises:
         ValueError: an unknown policy.
     """
-    policy = name if name in REGISTRY else rescue_base
+    policy = REFERENCE if name == FULL_BEST_OF_N else name if name in REGISTRY else rescue_base
     if policy is None:
         return None
     return policy, (budget if budget is not None and policy_info(policy).budgeted else None)
@@ -50,7 +51,7 @@ def problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pen
     """
     plain = [(p, b) for p, b in pending if not runs_later(p, b)]
     # the full-KV run is the yardstick of every other cell: rerun it if it is already recorded
-    want_ref = fidelity and any(p not in (REFERENCE, RESCUE, BEST_OF_N) for p, _ in pending)
+    want_ref = fidelity and any(p != REFERENCE and p not in RESCUE_CELLS for p, _ in pending)
     runs = []
     full = None
     if want_ref or (REFERENCE, None) in plain:

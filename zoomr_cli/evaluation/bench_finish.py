@@ -9,6 +9,7 @@ from pathlib import Path
 from zoomr.kvstore.registry import REGISTRY, matched_target
 
 from zoomr.evaluation import bench_events as ev
+from zoomr.evaluation.atomic import write_atomic
 from zoomr.evaluation.match import TOLERANCE
 from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.plots import write_plots
@@ -19,7 +20,9 @@ IDLE_SAVING = 1.05  # a matched target saving less than this × held (almost) fu
 
 
 def finish(out: Path, config: dict, log: RecordLog, emit, warnings: list[str]) -> dict:
-    """Write ``out/summary.json`` and the plots from the records in ``log``'s file, and say what they show.
+    """Write ``out/summary.json`` and the plots from the records in ``log``'s file (each file whole or not at
+    all: :mod:`zoomr.evaluation.atomic`), and say what they show. A key the file holds twice counts once
+    (:class:`~zoomr.evaluation.records.RecordLog`), with a warning naming it.
 
     Args:
         config: the run's settings (``config.json``'s); emit: the bench's event callback.
@@ -32,13 +35,17 @@ def finish(out: Path, config: dict, log: RecordLog, emit, warnings: list[str]) -
     # the file, not the in-memory list, is what finished: a Ctrl-C that lands between a record's fsync and
     # its append to ``log.records`` would otherwise leave a durable record out of the summary
     log = RecordLog(log.path)
+    for line in log.notes():   # a run that opened the file said these already; a reader here says them once
+        if line not in warnings:
+            warnings.append(line)
+            emit(ev.Warning(line))
     if not log.records:
         emit(ev.BenchFinished(out, None))
         return {"config": config, "rows": [], "out": out, "records": [], "plots": [], "warnings": warnings}
     rows = summarize(log.records)
     rescue = rescue_rows(rows)
     summary = {"config": config, "rows": rows, **({"rescue": rescue} if rescue else {})}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     model = (config.get("provenance") or {}).get("model_path") or config["model"]
     meta = {"model": Path(str(model)).name, "dataset": config["dataset"],
             "problems": len({r["problem_id"] for r in log.records}), "n_predict": config["n_predict"]}

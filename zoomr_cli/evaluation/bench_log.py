@@ -1,5 +1,6 @@
-"""A bench's output folder: made and checked against the run before anything runs, its provenance recorded,
-and removed again when a refused run made it and wrote nothing."""
+"""A bench's output folder: made, locked for this run alone (:mod:`zoomr.evaluation.folder_lock`) and checked
+against the run before anything runs, its provenance recorded, and removed again when a refused run made it and
+wrote nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from zoomr.errors import UserError
 
+from zoomr.evaluation.folder_lock import FolderLock
 from zoomr.evaluation.records import RecordLog, read_config
 
 
@@ -30,13 +32,19 @@ def remove_if_empty(out: Path) -> None:
         pass
 
 
-def open_log(out: Path, config: dict, resume: bool) -> RecordLog:
-    """Create ``out`` and check it against this run (settings of a resumed run must not change).
+def open_log(out: Path, config: dict, resume: bool) -> tuple[RecordLog, FolderLock]:
+    """Create ``out``, lock it for this run and check it against this run (settings of a resumed run must not
+    change). The lock comes before the records are read: a second run on the folder stops here, before its
+    first cell, however far the first has got (no record written yet included), and nothing reads or trims
+    the records while another run appends to them.
 
     Args:
         config: this run's settings; on resume the old run's settings it lacks are added to it (in place).
+    Returns:
+        (the folder's record log, the held lock: the caller releases it when the run ends).
     Raises:
-        UserError: the folder cannot be made, holds records without ``resume``, or other settings.
+        zoomr.evaluation.folder_lock.FolderBusy (a UserError): another run holds the folder.
+        UserError: the folder cannot be made or locked, holds records without ``resume``, or other settings.
         ValueError: a records file or config.json that is not ours.
     """
     if out.exists() and not out.is_dir():
@@ -49,6 +57,19 @@ def open_log(out: Path, config: dict, resume: bool) -> RecordLog:
     why = unwritable(out)
     if why is not None:
         raise UserError(f"--out {out}: cannot write there ({why})")
+    try:
+        lock = FolderLock.acquire(out)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot lock the folder ({e.strerror or e})") from None
+    try:
+        return _checked_log(out, config, resume), lock
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _checked_log(out: Path, config: dict, resume: bool) -> RecordLog:
+    """:func:`open_log`'s checks of the records and settings already in the (locked) folder."""
     cfg_path, rec_path = out / "config.json", out / "records.jsonl"
     if rec_path.exists() and rec_path.stat().st_size and not resume:
         raise UserError(f"{out} already holds bench records: add --resume, or choose another --out")

@@ -22,7 +22,7 @@ from zoomr.evaluation.bench_plan import MATCHED, BenchPlan
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem
 from zoomr.evaluation.records import record_key
-from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE, RescueCells
+from zoomr.evaluation.rescue_cells import RESCUE_CELLS, RescueCells
 
 # put(key, fields, budget_tokens): one finished cell, key = (problem id, policy, budget), fields its record's
 Put = Callable[[tuple, dict, object], None]
@@ -118,11 +118,11 @@ def run_problems(plan: BenchPlan, models: LoadedModels, problems: Sequence[Probl
             reference = None if ref_job is None else ref_job.reference
             for policy, b in later.get(problem.id, []):
                 emit(ev.CellStarted(problem.id, policy, b))
-                if policy in (RESCUE, BEST_OF_N) and b == MATCHED:
+                if policy in RESCUE_CELLS and b == MATCHED:
                     rec = rescue_cells.run_matched(policy, problem, ids, opts.n_predict,
                                                    target_record(records, problem.id))
                     budget_tokens = rec.pop("budget_tokens")
-                elif policy in (RESCUE, BEST_OF_N):
+                elif policy in RESCUE_CELLS:
                     budget_tokens = b
                     rec = rescue_cells.run(policy, b, problem, ids, opts.n_predict)
                 else:

@@ -82,6 +82,12 @@ def _max(vals):
     return max(vals) if vals else None
 
 
+def _extra(record: dict) -> dict:
+    """A record's ``kv_extra`` (the policy's own statistics), {} when it has none."""
+    x = record.get("kv_extra")
+    return x if isinstance(x, dict) else {}
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (policy, budget), in first-seen order.
 
@@ -99,7 +105,11 @@ def summarize(records: list[dict]) -> list[dict]:
         matched budgets only: budget_tokens_mean (the budgets chosen), target_active_tokens (ZoomR's mean),
         target_peak_active_tokens (ZoomR's peak, max over problems),
         match_error_max (largest |achieved/target − 1|), matched_within (all rows within the tolerance);
-        rescue / best-of-N cells only: helper_share, base_tokens, method_kv_bytes_mean (None elsewhere).
+        rescue cells only (rescue, best-of-n, full-best-of-n): helper_share, base_tokens, method_kv_bytes_mean,
+        scorer (the cells' ``scorer`` label: ``likelihood:HELPER`` or ``prm:PATH``) (None elsewhere);
+        zoomr only: ag_mean, ag_std (means over problems of each run's AG mean and spread over its recomputes,
+        the paper's AG of ZoomR §4, ``kv_extra``), ag_candidates_mean (the same of zoomr's own AG, the
+        selection's votes; :mod:`zoomr.kvstore.zoomr`) (None elsewhere).
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -107,6 +117,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for (policy, budget), rs in groups.items():
         get = lambda key: [r.get(key) for r in rs]  # noqa: E731 — a column of this group
+        extra = lambda key: [_extra(r).get(key) for r in rs]  # noqa: E731 — the policy's own numbers
         errors = [e for e in get("match_error") if e is not None]
         rows.append({
             "policy": policy,
@@ -141,6 +152,10 @@ def summarize(records: list[dict]) -> list[dict]:
             "helper_share": _mean(get("helper_share")),
             "base_tokens": _mean(get("base_tokens")),
             "method_kv_bytes_mean": _mean(get("method_kv_bytes_mean")),
+            "scorer": next((v for v in get("scorer") if v), None),
+            "ag_mean": _mean(extra("ag_mean")),
+            "ag_std": _mean(extra("ag_std")),
+            "ag_candidates_mean": _mean(extra("ag_candidates_mean")),
         })
     return rows
 

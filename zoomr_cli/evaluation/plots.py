@@ -6,7 +6,9 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+from zoomr.evaluation.atomic import replacing
 from zoomr.evaluation.records import BEST_OF_N, RESCUE
+from zoomr.evaluation.rescue_cells import cell_label
 from zoomr.evaluation.stats import cell_intervals
 from zoomr.kvstore.registry import REFERENCE, REGISTRY
 
@@ -105,7 +107,8 @@ def _series(ax, rows: list[dict], ci: dict, metric: str) -> list[float]:
         yerr = _bars(_err(y, c.get(metric)) for y, c in zip(ys, cis))
         xerr = _bars(_err(x, c.get("mean_active_tokens")) for x, c in zip(xs, cis))
         ax.errorbar(xs, ys, yerr=yerr, xerr=xerr, fmt="o-", color=colour, ecolor=colour, elinewidth=0.9,
-                    capsize=2.5, markersize=5, linewidth=1.4, label=policy)
+                    capsize=2.5, markersize=5, linewidth=1.4,
+                    label=cell_label(policy, next((r.get("scorer") for r in rows if r["policy"] == policy), None)))
         for x, y, b in pts:
             if b is not None:  # which budget a point is, without a legend entry per budget
                 ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour)
@@ -130,10 +133,15 @@ def _legend(ax) -> None:
 
 
 def _save(fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` whole or not at all (a temporary name renamed over it, so a reader of the
+    folder never opens half a PNG); the format is the name's extension, given to ``savefig`` explicitly."""
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        with replacing(path) as tmp:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -205,7 +213,7 @@ def _active_plot(plt, records, title, out: Path) -> Path:
         style = "-" if rec["budget"] is None else BUDGET_STYLES[budgets.index(rec["budget"]) % len(BUDGET_STYLES)]
         width = 1.0 + 2.5 * (len(recs) - 1 - i) / max(len(recs) - 1, 1)
         ax.plot(xs, ys, color=policy_colour(rec["policy"]), linestyle=style, linewidth=width,
-                label=" ".join(filter(None, (rec["policy"], _budget_label(rec["budget"])))))
+                label=" ".join(filter(None, (cell_label(rec["policy"], rec.get("scorer")), _budget_label(rec["budget"])))))
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("active KV (tokens, prompt included)")
     ax.grid(alpha=0.3)

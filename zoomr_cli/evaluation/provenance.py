@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import importlib.metadata
 import os
 import platform
@@ -11,52 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from zoomr.backends.models import HF_FILE_PATTERNS, ModelNotFound, resolve_model
+from zoomr.backends.fingerprint import model_fingerprint
+from zoomr.backends.models import ModelNotFound, resolve_model
 
-CHUNK = 1 << 20  # 1 MiB reads: hashing a multi-GB model stays at constant memory
 # distributions whose version changes numbers a bench prints (matplotlib only draws them)
 PACKAGES = ("torch", "llama-cpp-python", "math-verify", "numpy", "gguf", "matplotlib")
 GIT_TIMEOUT_S = 5
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks (same digest as ``sha256sum``).
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def model_fingerprint(path: Path) -> dict:
-    """sha256 and size of a model on disk.
-
-    A GGUF file is hashed as is. A HF directory is hashed file by file over what loading reads
-    (:data:`zoomr.backends.models.HF_FILE_PATTERNS` at its top level: weights, config, tokenizer); ``model_sha256`` is
-    then the sha256 of the ``sha256sum``-style listing of those files sorted by name (``"<hex>  <name>\\n"`` per
-    file), so ``cd DIR && sha256sum $(ls FILES | sort) | sha256sum`` reproduces it, and ``model_files`` keeps the
-    per-file digests to tell which file differs.
-
-    Returns:
-        ``{"model_sha256", "model_bytes"}`` plus ``"model_files": {name: hex}`` for a directory; the values are
-        None when ``path`` is neither a file nor a directory.
-    Raises:
-        OSError: a file exists but cannot be read.
-    """
-    if path.is_file():
-        return {"model_sha256": sha256_file(path), "model_bytes": path.stat().st_size}
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir()
-                       if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in HF_FILE_PATTERNS))
-        digests = {p.name: sha256_file(p) for p in files}
-        listing = "".join(f"{d}  {name}\n" for name, d in digests.items())
-        return {"model_sha256": hashlib.sha256(listing.encode()).hexdigest(),
-                "model_bytes": sum(p.stat().st_size for p in files), "model_files": digests}
-    return {"model_sha256": None, "model_bytes": None}
 
 
 def git_state(source: Path) -> tuple[str | None, bool | None]:

@@ -1,8 +1,9 @@
 """``zoomr bench --ray``: the bench's problems sharded over Ray actors, on one machine or a cluster.
 
-The driver (this process) is the bench's only writer: workers (:class:`~zoomr.evaluation.ray_worker.BenchWorker`
-actors, one per GPU or per ``-t`` CPU threads) load the models once and stream each finished cell back; the
-driver appends it to ``records.jsonl`` (fsynced, deduplicated by record key), draws progress and writes the
+The driver (this process) is the bench's only writer, holding the folder's lock for the whole run
+(:mod:`zoomr.evaluation.folder_lock`, taken by the runner before the workers start): workers
+(:class:`~zoomr.evaluation.ray_worker.BenchWorker` actors, one per GPU or per ``-t`` CPU threads) load the
+models once and stream each finished cell back; the driver appends it to ``records.jsonl`` (fsynced, deduplicated by record key), draws progress and writes the
 summary. Whole problems are the unit of work (a problem's matched and fidelity cells need its full-KV
 reference run, which stays on the worker that made it), handed out longest-expected-first as workers free
 up. A worker that dies has its unit's unfinished cells handed to another; Ctrl-C kills the workers and keeps
@@ -27,7 +28,7 @@ from zoomr.evaluation.bench_plan import BenchPlan
 from zoomr.evaluation.bench_units import Put, pending
 from zoomr.evaluation.ray_cluster import check_address, connect, first_line, import_ray, quiet, slots
 from zoomr.evaluation.records import RecordLog
-from zoomr.evaluation.rescue_cells import BEST_OF_N, RESCUE
+from zoomr.evaluation.rescue_cells import RESCUE_CELLS
 
 ATTEMPTS = 3              # a unit whose worker died this many times stops the bench (it kills workers)
 
@@ -36,7 +37,7 @@ def expected_cost(plan: BenchPlan, cells: list, prompt_tokens: int) -> float:
     """A problem's expected work (token positions to run), to hand the longest out first: each cell decodes
     up to ``-n`` after its prompt; a matched cell may run twice, a rescue cell runs several candidates."""
     n = plan.opts.n_predict if plan.opts.n_predict > 0 else plan.opts.ctx_size
-    weight = sum(3 if p in (RESCUE, BEST_OF_N) else 2 if runs_later(p, b) else 1 for p, b in cells)
+    weight = sum(3 if p in RESCUE_CELLS else 2 if runs_later(p, b) else 1 for p, b in cells)
     return weight * (prompt_tokens + n)
 
 

@@ -8,11 +8,16 @@ import json
 import os
 from pathlib import Path
 
+from zoomr.evaluation.atomic import write_atomic
+
 
 REQUIRED = {"problem_id", "policy", "budget", "correct", "mean_active_tokens", "tokens_generated"}
 MATCHED = "matched"  # the budget of a matched-budget cell (chosen per problem, see zoomr bench --match-budget)
-# the policy names of bench --rescue's cells (zoomr.evaluation.rescue_cells): not policies of the registry
-RESCUE, BEST_OF_N = "rescue", "best-of-n"
+# the policy names of bench --rescue's cells (zoomr.evaluation.rescue_cells): not policies of the registry;
+# full-best-of-n is best-of-N on full KV, the sampled reference of the recovered fraction
+RESCUE, BEST_OF_N, FULL_BEST_OF_N = "rescue", "best-of-n", "full-best-of-n"
+RESCUE_CELLS = (RESCUE, BEST_OF_N, FULL_BEST_OF_N)
+DUPLICATES_SHOWN = 8  # keys a duplicates note names (then "and N more")
 
 
 def _number(v) -> bool:
@@ -90,18 +95,32 @@ def record_key(problem_id: str, policy: str, budget: int | None) -> tuple[str, s
     return (str(problem_id), policy, budget)
 
 
+def key_label(key: tuple) -> str:
+    """A record key as a person reads it: ``problem 3 rkv B=32`` (no ``B=`` for a policy that sizes itself)."""
+    problem_id, policy, budget = key
+    return f"problem {problem_id} {policy}" + ("" if budget is None else f" B={budget}")
+
+
 class RecordLog:
     """Append-only JSONL of bench records.
 
     On open, every line is checked (:func:`record_problem`) before anything is changed: a file with a line
     that is not a record is refused and left as it is. A last line without its ``\\n`` that is not UTF-8
-    JSON is a write the process died in, and is cut off; one that is JSON only lacks its line end (it is
-    kept and terminated when it is a record). Every line before it stays byte for byte as it was. Lines
-    end at ``\\n`` only: U+2028 and the other separators :meth:`str.splitlines` splits at may stand
-    unescaped in a record's text.
+    JSON is a write the process died in, and is cut off (:attr:`torn_bytes`); one that is JSON only lacks its
+    line end (it is kept and terminated when it is a record). Every line before it stays byte for byte as it
+    was. Lines end at ``\\n`` only: U+2028 and the other separators :meth:`str.splitlines` splits at may
+    stand unescaped in a record's text.
+
+    A key recorded twice (two runs writing one folder at once, before bench locked its folder:
+    :mod:`zoomr.evaluation.folder_lock`) is read once: :attr:`records` keeps its first record, the file keeps
+    every line, and :attr:`duplicates` names the key (:meth:`notes` says so in one line).
 
     Args:
         path: the ``records.jsonl`` file (created if missing).
+    Attributes:
+        records: one record per key, in file order; done: their keys.
+        duplicates: the keys found more than once, each once, in file order.
+        torn_bytes: bytes of a torn last line cut off on open (0: none).
     Raises:
         ValueError: a line is not a bench record, or the file is not UTF-8 (it is not ours); one line
             naming the file and the line.
@@ -110,6 +129,9 @@ class RecordLog:
     def __init__(self, path: Path):
         self.path = path
         self.records: list[dict] = []
+        self.duplicates: list[tuple] = []
+        self.torn_bytes = 0
+        self._keys: set = set()
         if path.exists():
             data = path.read_bytes()
             cut = data.rfind(b"\n") + 1
@@ -123,13 +145,13 @@ class RecordLog:
                     why = record_problem(line)
                     if why is not None:
                         raise ValueError(f"{path}:{n}: not a bench record ({why})")
-                    self.records.append(json.loads(line))
+                    self._keep(json.loads(line))
             tail = data[cut:]
             if tail.strip(b" \t\r") and _parses(tail):  # not a torn write: a line whose end is missing
                 why = record_problem(tail.decode("utf-8"))
                 if why is not None:
                     raise ValueError(f"{path}:{len(lines) + 1}: not a bench record ({why})")
-                self.records.append(json.loads(tail))
+                self._keep(json.loads(tail))
                 with open(path, "ab") as f:
                     f.write(b"\n")
                     f.flush()
@@ -137,7 +159,33 @@ class RecordLog:
             elif tail:
                 with open(path, "r+b") as f:  # drop the torn tail
                     f.truncate(cut)
+                    os.fsync(f.fileno())
+                self.torn_bytes = len(tail)
         self.done = {record_key(r["problem_id"], r["policy"], r["budget"]) for r in self.records}
+
+    def _keep(self, record: dict) -> None:
+        """Add a record read from the file unless its key came before (then name the key once)."""
+        key = record_key(record["problem_id"], record["policy"], record["budget"])
+        if key in self._keys:
+            if key not in self.duplicates:
+                self.duplicates.append(key)
+            return
+        self._keys.add(key)
+        self.records.append(record)
+
+    def notes(self) -> list[str]:
+        """What opening the file changed or chose, one line each: a torn last line cut off, keys read once."""
+        lines = []
+        if self.torn_bytes:
+            lines.append(f"{self.path}: dropped a torn last line ({self.torn_bytes} bytes: a write cut off "
+                         "mid-line); every complete record is kept")
+        if self.duplicates:
+            shown = ", ".join(key_label(k) for k in self.duplicates[:DUPLICATES_SHOWN])
+            more = len(self.duplicates) - DUPLICATES_SHOWN
+            lines.append(f"{self.path}: {len(self.duplicates)} cell(s) recorded more than once ({shown}"
+                         f"{f' and {more} more' if more > 0 else ''}; two runs wrote this folder at once): "
+                         "the first record of each is used, the file keeps them all")
+        return lines
 
     def append(self, record: dict) -> None:
         """Write one record durably (flush + fsync) and remember its key."""
@@ -172,14 +220,9 @@ def read_config(path: Path) -> dict:
 
 
 def write_config(path: Path, config: dict) -> None:
-    """Write ``config.json`` atomically (a temporary file renamed over it): a crash mid-write leaves the
-    earlier run's settings, never half a file that would make the folder's records unresumable."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(config, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``config.json`` atomically (:func:`zoomr.evaluation.atomic.write_atomic`): a crash mid-write leaves
+    the earlier run's settings, never half a file that would make the folder's records unresumable."""
+    write_atomic(path, json.dumps(config, indent=2))
 
 
 TIMING_FIELDS = ("decode_tok_s", "prefill_tok_s", "wall_s")  # seconds-derived: differ run to run

@@ -2,19 +2,28 @@
 
 Source: KV-Rescue (arXiv:2608.15797), "Accuracy versus KV Budget" and "Generation Length". Per budget B
 two cells run on every problem, both with the base model's evicting policy (``--base-policy``, R-KV by
-default) at budget B and the same stepwise loop, sampler seed and scorer:
+default) at budget B, and one more per problem with full KV; all three the same stepwise loop, sampling
+(T 0.8 unless ``--temp``), sampler seed (each candidate's stream keyed by step and index), N_b and scorer:
 
 - ``rescue``: N_b base + N_h full-KV helper candidates per step, the degeneration detector as set
-  (on by default; ``--no-detector`` gives the paper's no-early-exit ablation);
+  (``--detector zoomr``, the calibrated default, or ``paper``; ``--no-detector`` gives the paper's
+  no-early-exit ablation);
 - ``best-of-n``: N_b base candidates only (N_h = 0) and *no* detector, whatever the detector flags
   say: the paper's eviction-only best-of-N, whose runaway generations are what early exit prevents
   (13.4 % degeneration at B = 64). A detector-on best-of-N is not a bench cell: it is no baseline of
-  the paper (``zoomr solve --rescue --nh 0`` runs it for a look).
+  the paper (``zoomr solve --rescue --nh 0`` runs it for a look);
+- ``full-best-of-n`` (budget none): the same best-of-N with the base on full KV, the sampled full-KV
+  reference A_full.
 
-The headline numbers come from those two and the bench's ``full`` cell (full KV, the bench's own
-sampling): recovered fraction (A_rescue − A_best-of-n) / (A_full − A_best-of-n), helper share of
-committed steps, and base-model tokens sampled by rescue relative to best-of-N (the paper: 87 %
-recovered and 43 % fewer base tokens at B = 64 with 7B/1.5B models).
+The headline numbers come from those three: recovered fraction (A_rescue − A_best-of-n) / (A_full −
+A_best-of-n) with A_full the ``full-best-of-n`` accuracy, so all three accuracies come from the same
+sampling, seeds and number of samples (``full_reference: "sampled"`` in ``summary.json["rescue"]``; the
+bench's greedy ``full`` cell, the fidelity reference, is shown beside it as ``acc_full_greedy`` and enters
+no fraction), helper share of committed steps, and base-model tokens sampled by rescue relative to
+best-of-N (the paper: 87 % recovered and 43 % fewer base tokens at B = 64 with 7B/1.5B models).
+
+Without ``--prm`` the cells are scored by the helper's mean log-likelihood: their rows and labels in the
+tables and plots say "likelihood scorer, no PRM" (:func:`cell_label`), with a PRM they name it.
 
 With ``--match-budget`` the base's B is chosen per problem as for every matched baseline: predicted from
 ZoomR's measured mean active KV and lengths through the base policy itself
@@ -64,7 +73,7 @@ from zoomr.evaluation.metrics import recovered_fraction
 from zoomr.evaluation.bench_cells import cell_policy
 from zoomr.evaluation.cells import problem_prompt
 from zoomr.evaluation.datasets import Problem
-from zoomr.evaluation.records import BEST_OF_N, RESCUE
+from zoomr.evaluation.records import BEST_OF_N, FULL_BEST_OF_N, RESCUE, RESCUE_CELLS
 from zoomr.factory import policy_spec, with_policy
 from zoomr.grading import grade
 from zoomr.kvstore.registry import REFERENCE, matched_target
@@ -91,7 +100,7 @@ def plan(ropts: RescueOptions, opts: RunOptions) -> tuple[RescuePlan, dict]:
         UserError / ValueError: bad flags, an unknown base policy, helper or PRM (one line).
     """
     p = plan_rescue(ropts, opts)
-    # early_exit is the rescue cells' detector; best-of-n always runs without it
+    # early_exit and the detector are the rescue cells'; best-of-n and full-best-of-n always run without early exit
     settings = {"base_policy": p.base_opts.policy, "helper": p.helper_opts.model or "default", "prm": p.prm,
                 "sampling": vars(rescue_sampling(opts)),
                 **{k: v for k, v in p.config.as_dict().items() if k != "max_context"}}
@@ -121,17 +130,19 @@ class RescueCells:
 
     @staticmethod
     def cells(budgets: list) -> list[tuple[str, object]]:
-        """(policy, budget) cells per problem: best-of-N first, then rescue, for each budget."""
-        return [(p, b) for b in budgets for p in (BEST_OF_N, RESCUE)]
+        """(policy, budget) cells per problem: the sampled full-KV reference once (budget None), then best-of-N
+        and rescue for each budget."""
+        return [(FULL_BEST_OF_N, None)] + [(p, b) for b in budgets for p in (BEST_OF_N, RESCUE)]
 
     def config(self, policy: str, n_predict: int) -> RescueConfig:
         """The loop settings of ``policy``'s cell, its trajectory capped at ``n_predict`` new tokens: best-of-N
-        has no helper candidate and no early exit."""
+        (evicted or on full KV) has no helper candidate and no early exit."""
         c = replace(self.plan.config, max_new_tokens=n_predict)
-        return replace(c, nh=0, early_exit=False) if policy == BEST_OF_N else c
+        return replace(c, nh=0, early_exit=False) if policy in (BEST_OF_N, FULL_BEST_OF_N) else c
 
     def run(self, policy: str, budget: int, problem: Problem, base_ids: list[int], n_predict: int) -> dict:
-        """One cell: the stepwise loop on ``problem`` with the base evicting to ``budget`` tokens.
+        """One cell: the stepwise loop on ``problem`` with the base evicting to ``budget`` tokens (full KV for
+        ``full-best-of-n``, whose budget is None).
 
         Args:
             base_ids: the problem's prompt in the base model's tokens (the bench's own prompt).
@@ -144,14 +155,17 @@ class RescueCells:
             mean_policy_state_bytes, saving and saving_peak of the method, decode_tok_s = candidate
             tokens of both models per second, active_trace) plus the method's memory (helper_kv_bytes_mean, helper_kv_bytes_peak, prm_kv_bytes_peak,
             method_kv_bytes_mean, method_kv_bytes_peak; see the module docstring), scorer (its
-            :meth:`zoomr.rescue.scorers.Scorer.label`), helper_is_base, early_exit, steps, helper_share,
-            base_tokens, helper_tokens, candidates, aborted, text, wall_s.
+            :meth:`zoomr.rescue.scorers.Scorer.label`), helper_is_base, early_exit, detector (``zoomr`` or
+            ``paper``: which one read the base candidates; it aborts only with early_exit), steps,
+            helper_share, base_tokens, helper_tokens, candidates, aborted, text, wall_s.
         Raises:
             KeyboardInterrupt: Ctrl-C during the cell (nothing of it is recorded).
         """
         key = cell_policy(policy, budget, self.plan.base_opts.policy)
         if key in self.factories:
             base = self.base.with_cache_factory(self.factories[key])
+        elif policy == FULL_BEST_OF_N:   # the bench's base already runs full KV
+            base = self.base
         else:   # a matched budget, chosen for this problem
             base = with_policy(self.base, replace(self.opts, policy=key[0]).with_knobs(budget=budget))
         helper_ids = problem_prompt(self.helper.tokenizer, problem, self.opts.ctx_size)
@@ -175,6 +189,7 @@ class RescueCells:
             "scorer": self.scorer_label,
             "helper_is_base": self.helper_is_base,
             "early_exit": config.early_exit,
+            "detector": config.detector.name,
             "steps": len(s["steps"]),
             "helper_share": s["helper_share"],
             "base_tokens": s["base_tokens"],
@@ -277,7 +292,7 @@ def rescue_warnings(items: list[dict]) -> list[str]:
         reward); the helper is the base model under a PRM (more KV than full KV). [] when none applies.
     """
     seen = {(str(r.get("scorer", "")).split(":", 1)[0], bool(r.get("helper_is_base")))
-            for r in items if r.get("policy") in (RESCUE, BEST_OF_N)}
+            for r in items if r.get("policy") in RESCUE_CELLS}
     lines = []
     if ("likelihood", True) in seen:
         lines.append("rescue cells scored by the helper's likelihood with the helper = the base model: the "
@@ -291,27 +306,57 @@ def rescue_warnings(items: list[dict]) -> list[str]:
     return lines
 
 
+def scorer_note(scorer: str | None) -> str | None:
+    """How a rescue cell's scorer reads in a table or plot: ``likelihood scorer, no PRM`` for the fallback
+    (``likelihood:HELPER``), ``PRM <name>`` for ``prm:PATH``; None for no scorer (a cell that is no rescue cell).
+    """
+    if not scorer:
+        return None
+    kind, _, where = str(scorer).partition(":")
+    if kind == "likelihood":
+        return "likelihood scorer, no PRM"
+    return f"PRM {Path(where).name or where}" if kind == "prm" else kind
+
+
+def cell_label(policy: str, scorer: str | None = None) -> str:
+    """A cell's name in tables and plots: the policy, and for the rescue cells their scorer, e.g.
+    ``rescue (likelihood scorer, no PRM)`` or ``best-of-n (PRM Qwen2.5-Math-PRM-7B)``."""
+    note = scorer_note(scorer) if policy in RESCUE_CELLS else None
+    return f"{policy} ({note})" if note else policy
+
+
 def rescue_rows(rows: list[dict]) -> list[dict]:
     """KV-Rescue's headline numbers per budget, from :func:`zoomr.evaluation.metrics.summarize` rows.
 
-    Fields: budget, acc_full, acc_best_of_n, acc_rescue, recovered_fraction (None when full = best-of-N
-    or a row is missing), helper_share, base_tokens_rescue, base_tokens_best_of_n, base_token_ratio
-    (rescue / best-of-N), no_answer_at_cap_rescue, no_answer_at_cap_best_of_n (the rows' no_answer_at_cap_rate),
-    method_kv_bytes_mean_rescue, method_kv_bytes_mean_best_of_n (bytes; None when the rows lack them).
+    The recovered fraction's A_full is the sampled full-KV reference (the ``full-best-of-n`` row: same
+    sampling, seeds and candidates as rescue and best-of-N), never the greedy ``full`` row; without it the
+    fraction is None (a bench still running).
+
+    Fields: budget, scorer (:func:`scorer_note`), full_reference (``"sampled"``: what acc_full is),
+    full_reference_cell (its cell, ``full-best-of-n``), acc_full (that cell's accuracy), acc_full_greedy (the
+    bench's greedy full-KV cell, the fidelity reference: shown, in no fraction), acc_best_of_n, acc_rescue,
+    recovered_fraction (None when A_full = best-of-N or a row is missing), helper_share, base_tokens_rescue,
+    base_tokens_best_of_n, base_token_ratio (rescue / best-of-N), no_answer_at_cap_rescue,
+    no_answer_at_cap_best_of_n (the rows' no_answer_at_cap_rate), method_kv_bytes_mean_rescue,
+    method_kv_bytes_mean_best_of_n (bytes; None when the rows lack them).
     """
     by = {(r["policy"], r["budget"]): r for r in rows}
-    full = by.get((REFERENCE, None))
+    sampled, greedy = by.get((FULL_BEST_OF_N, None)), by.get((REFERENCE, None))
     out = []
     for budget in dict.fromkeys(r["budget"] for r in rows if r["policy"] == RESCUE):
         res, bon = by[(RESCUE, budget)], by.get((BEST_OF_N, budget))
-        acc_full = full["accuracy"] if full else None
+        acc_full = sampled["accuracy"] if sampled else None
         acc_bon = bon["accuracy"] if bon else None
         ratio = None
         if bon and bon.get("base_tokens"):
             ratio = res["base_tokens"] / bon["base_tokens"]
         out.append({
             "budget": budget,
+            "scorer": scorer_note(res.get("scorer")),
+            "full_reference": "sampled",
+            "full_reference_cell": FULL_BEST_OF_N,
             "acc_full": acc_full,
+            "acc_full_greedy": greedy["accuracy"] if greedy else None,
             "acc_best_of_n": acc_bon,
             "acc_rescue": res["accuracy"],
             "recovered_fraction": (None if acc_full is None or acc_bon is None

@@ -4,7 +4,9 @@ Two front doors, one engine: :func:`bench` (``zoomr.bench``, options named as :f
 :func:`run_bench` (a parsed :class:`~zoomr.options.RunOptions`, what ``zoomr bench`` calls). Each (problem,
 policy, budget) cell is appended to ``<out>/records.jsonl`` the moment it finishes; ``resume`` skips every
 cell already there, so a crash or ``kill -9`` loses at most the cell in flight. Nothing is printed: progress
-goes to ``on_event`` as :mod:`zoomr.evaluation.bench_events`.
+goes to ``on_event`` as :mod:`zoomr.evaluation.bench_events`. A run holds its folder's lock from before it
+reads the records to after the summary (:mod:`zoomr.evaluation.folder_lock`): a second run on the same folder,
+``--resume`` or not, stops before its first cell.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def bench(model: str | None = None, *, policies: Sequence[str] | str | None = No
         zoomr.errors.UserError: a bad policy list, budget, knob, option, data set or output folder, a prompt
             over ``ctx_size``; ``ray`` without Ray installed, an address nobody answers at, more workers than
             the cluster fits; ValueError: a bad model (zoomr.backends.models.ModelNotFound) or data file.
+        zoomr.evaluation.folder_lock.FolderBusy (a UserError): another bench (of any process, this one
+            included) is writing into ``out``; raised before any cell runs, naming its pid and host.
         KeyboardInterrupt: the finished cells are kept, and ``summary.json`` holds them.
     """
     opts = bench_options(model, options)
@@ -124,41 +128,49 @@ def run_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int] 
     warnings: list[str] = []
     out = plan.out
     new_folder = not out.exists()
-    log = open_log(out, plan.config, resume)
-    if resume and not log.records:
-        # a mistyped --out would otherwise start a long run silently where the user meant to finish one
-        warnings.append(f"--resume: {out} holds no bench records yet; starting a new run there")
-        emit(ev.Warning(warnings[-1]))
-    models, describe, workers = None, None, []
-    left = _left(plan, log)
+    log, lock = open_log(out, plan.config, resume)   # held to the end: this run is the folder's one writer
+    ran = False
     try:
+        for line in ([lock.note] if lock.note else []) + log.notes():
+            warnings.append(line)
+            emit(ev.Warning(line))
+        if resume and not log.records:
+            # a mistyped --out would otherwise start a long run silently where the user meant to finish one
+            warnings.append(f"--resume: {out} holds no bench records yet; starting a new run there")
+            emit(ev.Warning(warnings[-1]))
+        models, describe, workers = None, None, []
+        left = _left(plan, log)
+        try:
+            if left:
+                models, describe, workers = _load(plan, left, cluster, emit)
+        except BaseException:
+            if cluster is not None:
+                cluster.stop()
+            raise
+        ran = True
         if left:
-            models, describe, workers = _load(plan, left, cluster, emit)
-    except BaseException:
-        if cluster is not None:
-            cluster.stop()
-        if new_folder:  # refused before anything ran (a model that cannot load, -np too large): leave no folder
-            remove_if_empty(out)
-        raise
-    if left:
-        if workers:   # where each cell ran: records name the worker, config.json says what each one was
-            plan.config["workers"] = [{k: w[k] for k in ("host", "pid", "device", "provenance")} for w in workers]
-        # only now, with every model loaded, does the folder take this run's settings
-        write_config(out / "config.json", plan.config)
-    done = sum(record_key(p.id, c, b) in log.done for p in plan.problems for c, b in plan.cells)
-    emit(ev.BenchStarted(describe, tuple(plan.policies), plan.rescue_base, plan.dataset, len(plan.problems), out,
-                         len(plan.problems) * len(plan.cells), done, log.records))
-    record = _recorder(plan, log, on_record, emit)
-    try:
-        if left and cluster is not None:
-            cluster.run(plan, log, record, emit)
-        elif left:
-            run_problems(plan, models, left, log.done, log.records, record, emit)
+            if workers:   # where each cell ran: records name the worker, config.json says what each one was
+                plan.config["workers"] = [{k: w[k] for k in ("host", "pid", "device", "provenance")} for w in workers]
+            # only now, with every model loaded, does the folder take this run's settings
+            write_config(out / "config.json", plan.config)
+        done = sum(record_key(p.id, c, b) in log.done for p in plan.problems for c, b in plan.cells)
+        emit(ev.BenchStarted(describe, tuple(plan.policies), plan.rescue_base, plan.dataset, len(plan.problems),
+                             out, len(plan.problems) * len(plan.cells), done, log.records))
+        record = _recorder(plan, log, on_record, emit)
+        try:
+            if left and cluster is not None:
+                cluster.run(plan, log, record, emit)
+            elif left:
+                run_problems(plan, models, left, log.done, log.records, record, emit)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+            result = finish(out, plan.config, log, emit, warnings)  # also after an error: whatever finished
+        return result
     finally:
-        if cluster is not None:
-            cluster.stop()
-        result = finish(out, plan.config, log, emit, warnings)  # also after an error: whatever finished
-    return result
+        lock.release()
+        if new_folder and not ran:  # refused before anything ran (a model that cannot load, -np too large)
+            remove_if_empty(out)
 
 
 def _load(plan: BenchPlan, left: list[Problem], cluster: RayBench | None, emit):

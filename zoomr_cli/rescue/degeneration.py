@@ -13,6 +13,12 @@ text so far): no extra model forward. Entropy is of the model's raw next-token d
 (temperature 1, before top-k/top-p), in nats. The gzip ratio is compressed bytes / UTF-8 bytes of
 the window (``gzip.compress``, level 9, fixed mtime).
 
+This module is zoomr's calibrated detector (``--detector zoomr``, the default): it keeps both signals and
+their thresholds but scales the gzip threshold with the window's fill and adds cycle rules, both below. The
+paper's detector as it is stated (constant τ_cmp at every fill, nothing else) is
+:class:`zoomr.rescue.paper_detector.PaperDetector` (``--detector paper``); both share one interface (``push``,
+``observe``, ``signals``) and :func:`zoomr.rescue.detectors.make_detector` builds the one a config names.
+
 While a candidate is shorter than the window (the paper does not say what happens then), the window
 is its whole text and the threshold grows with the window's fill: τ_cmp · n / w_cmp for n < w_cmp
 characters, τ_cmp itself once the window is full. A short text that happens to repeat itself (a
@@ -74,6 +80,7 @@ per token.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import math
 import re
@@ -85,9 +92,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """Thresholds and windows of the detector (paper defaults).
+    """Thresholds and windows of the detector (paper defaults), and which detector reads them.
 
     Attributes:
+        name: which detector runs (:data:`zoomr.rescue.detectors.DETECTORS`): ``"zoomr"``, this module's
+            calibrated one (the default), or ``"paper"``, the paper's as it states it
+            (:class:`zoomr.rescue.paper_detector.PaperDetector`: constant τ_cmp, no cycle rules, so it reads
+            neither ``repeat_chars``, ``max_copies`` nor ``step_copies``).
         max_entropy: τ_ent, abort when the windowed mean entropy exceeds it (nats).
         entropy_window: tokens averaged (tokens).
         entropy_guard: tokens generated before the entropy test applies (tokens).
@@ -108,6 +119,7 @@ class DetectorConfig:
     repeat_chars: int = 256
     max_copies: int = 64
     step_copies: int = 3
+    name: str = "zoomr"  # last: the thresholds stay positional
 
     def gzip_threshold(self, chars: int) -> float:
         """The gzip ratio below which a window of ``chars`` characters is a repetition loop:
@@ -141,6 +153,18 @@ class DetectorConfig:
             raise ValueError(f"--abort-gzip must be within [0, 1] (compressed/raw bytes; 0: off), got "
                              f"{self.min_gzip_ratio}")
         return self
+
+    # what the paper's detector leaves unread: recorded only for the detector that reads them
+    CYCLE_FIELDS = ("repeat_chars", "max_copies", "step_copies")
+
+    def as_dict(self) -> dict:
+        """JSON-ready settings: ``name`` and the thresholds the named detector reads (the paper's reads no
+        cycle rule, so ``repeat_chars``, ``max_copies`` and ``step_copies`` are left out for it)."""
+        d = dataclasses.asdict(self)
+        if self.name == "paper":
+            for key in self.CYCLE_FIELDS:
+                d.pop(key)
+        return d
 
 
 def entropy_nats(logits: np.ndarray) -> float:

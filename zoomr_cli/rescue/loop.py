@@ -6,9 +6,10 @@ Source: KV-Rescue (Cheong et al., arXiv:2608.15797), "Stepwise interleaving", th
 1. fork the base's evicted state N_b times and the helper's full state N_h times;
 2. sample each candidate (T 0.8, top-p 0.95, top-k 20 by default) until ``\\n\\n``, EOS or the
    step-token limit (512); base candidates are aborted online by the degeneration detector
-   (:mod:`zoomr.rescue.degeneration`; "early exit", off with ``early_exit=False``), which reads the
-   committed trajectory's tail before each candidate (loops across steps); helper candidates keep the
-   pool non-empty;
+   ("early exit", off with ``early_exit=False``): zoomr's calibrated one (:mod:`zoomr.rescue.degeneration`,
+   the default), which reads the committed trajectory's tail before each candidate (loops across steps), or
+   the paper's as stated (:mod:`zoomr.rescue.paper_detector`, ``detector.name = "paper"``); helper
+   candidates keep the pool non-empty;
 3. score the survivors (a PRM, or the fallback in :mod:`zoomr.rescue.scorers`) and commit the best;
 4. re-base: the winner's fork becomes its model's state (no history token is computed again),
    the other model prefills the committed step (an evicting base evicts back to its budget).
@@ -59,7 +60,8 @@ from zoomr.backends.generation import GenerationStats, generate, generate_batch
 from zoomr.backends.sampling import Sampler
 from zoomr.kvstore.events import Event, EventBus
 
-from zoomr.rescue.degeneration import TAIL_LIMIT, DegenerationDetector, DetectorConfig
+from zoomr.rescue.degeneration import TAIL_LIMIT, DetectorConfig
+from zoomr.rescue.detectors import check_detector, make_detector
 from zoomr.rescue.events import (
     CandidateAborted,
     CandidateFinished,
@@ -89,7 +91,8 @@ class RescueConfig:
         max_new_tokens: most committed tokens after the prompt, in either model (tokens; ``-n``); ≤ 0:
             no such bound. Reaching it ends the run with ``length``.
         step_end: the text that ends a step.
-        detector: degeneration thresholds (base candidates only).
+        detector: degeneration thresholds and which detector reads them (``detector.name``: ``zoomr``, the
+            calibrated default, or ``paper``; :mod:`zoomr.rescue.detectors`); base candidates only.
         early_exit: abort base candidates the detector flags (the paper's "early exit"); False keeps
             every candidate (the detector's signals are still computed and reported).
         batched: sample each model's candidates of a step as one batch (see the module docstring);
@@ -111,7 +114,8 @@ class RescueConfig:
         """Return self.
 
         Raises:
-            ValueError: negative counts, no candidates at all, a step or step limit below 1 (one line).
+            ValueError: negative counts, no candidates at all, a step or step limit below 1, an unknown
+                detector or bad thresholds (one line).
         """
         if self.nb < 0 or self.nh < 0:
             raise ValueError(f"--nb and --nh must be >= 0, got {self.nb} and {self.nh}")
@@ -121,12 +125,13 @@ class RescueConfig:
             raise ValueError(f"--step-tokens must be at least 1, got {self.step_tokens}")
         if self.max_steps < 1:
             raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
+        check_detector(self.detector.name)
         self.detector.validate()
         return self
 
     def as_dict(self) -> dict:
-        """JSON-ready settings."""
-        return asdict(self)
+        """JSON-ready settings; ``detector`` holds its ``name`` and the thresholds that detector reads."""
+        return {**asdict(self), "detector": self.detector.as_dict()}
 
 
 @dataclass
@@ -353,13 +358,13 @@ class RescueLoop:
         return Candidate(step, index, src, engine, seq, list(gen.token_ids), gen.text, gen.stop_reason,
                          gen.next_logits)
 
-    def _detector(self) -> DegenerationDetector:
-        """A detector for one candidate of this step, reading the committed trajectory's tail before it (a
-        loop across steps aborts the candidate that continues it). Helper candidates get the same one: their
+    def _detector(self):
+        """A detector of the configured kind for one candidate of this step; ``zoomr``'s reads the committed
+        trajectory's tail before it (a loop across steps aborts the candidate that continues it), the paper's
+        only the candidate. Helper candidates get the same one: their
         signals are reported alike, but only base candidates are aborted (the paper's helper keeps the pool
         non-empty; a helper that loops too goes on until ``max_steps`` or the context cap)."""
-        return DegenerationDetector(self.config.detector, history=self.text[-TAIL_LIMIT:],
-                                    step_end=self.config.step_end)
+        return make_detector(self.config.detector, history=self.text[-TAIL_LIMIT:], step_end=self.config.step_end)
 
     def _commit(self, best: Candidate, survivors: int) -> None:
         """Append ``best`` to the trajectory and re-base both models on it."""

@@ -5,7 +5,8 @@ everything it can before any model is loaded.
 
 Defaults follow the KV-Rescue paper (arXiv:2608.15797) except the candidate counts: N_b = N_h = 2
 instead of the paper's 8 (its main results use N ∈ {1, 8}), because every candidate is decoded one
-after another and on a CPU each costs seconds; ``--preset paper`` sets the paper's models and 8 + 8.
+after another and on a CPU each costs seconds; ``--preset paper`` sets the paper's models and 8 + 8; and the
+degeneration detector, zoomr's calibrated one unless ``--detector paper`` (:mod:`zoomr.rescue.detectors`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from zoomr.kvstore.registry import BACKENDS, REFERENCE, REGISTRY, evicting, miss
 from zoomr.options import RunOptions, check_knobs_read
 
 from .degeneration import DetectorConfig
+from .detectors import check_detector
 from .loop import RescueConfig
 
 # values used when neither the command line nor a preset sets them (paper, except nb/nh: see above)
 DEFAULTS = {"nb": 2, "nh": 2, "step_tokens": 512, "max_steps": 1024, "abort_entropy": 7.0, "entropy_window": 12,
             "entropy_guard": 24, "abort_gzip": 0.18, "gzip_window": 800, "abort_repeat": 256,
-            "abort_copies": 64, "detector": True}
+            "abort_copies": 64, "detector": "zoomr", "early_exit": True}
+# the thresholds only zoomr's detector reads (--detector paper has no cycle rule)
+ZOOMR_ONLY = {"abort_repeat": "--abort-repeat", "abort_copies": "--abort-copies"}
 
 
 @dataclass
@@ -48,7 +52,8 @@ class RescueOptions:
     gzip_window: Optional[int] = None
     abort_repeat: Optional[int] = None
     abort_copies: Optional[int] = None
-    detector: Optional[bool] = None
+    detector: Optional[str] = None       # which detector: zoomr (calibrated) or paper (zoomr.rescue.detectors)
+    early_exit: Optional[bool] = None    # False: --no-detector (signals computed, nothing aborted)
     preset: Optional[str] = None
 
 
@@ -87,7 +92,8 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
 
     Raises:
         UserError: ``--policy`` used with ``--rescue``, an unknown base policy, an unknown preset, a policy
-            knob the base policy does not read.
+            knob the base policy does not read, an unknown ``--detector``, a threshold given that the chosen
+            detector does not read (``--abort-repeat``/``--abort-copies`` with ``--detector paper``).
         ValueError: bad counts or thresholds (see :meth:`RescueConfig.validate`).
     """
     preset = load_preset(ropts.preset)
@@ -115,11 +121,19 @@ def plan_rescue(ropts: RescueOptions, opts: RunOptions) -> RescuePlan:
                         f"choose from {choices}")
     if policy not in REGISTRY:
         raise UserError(f"--base-policy {policy!r} unknown (choose from {choices})")
+    name = pick("detector")
+    try:
+        check_detector(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    unread = [flag for key, flag in ZOOMR_ONLY.items() if name != "zoomr" and getattr(ropts, key) is not None]
+    if unread:
+        raise UserError(f"{unread[0]} is read by --detector zoomr only (--detector {name} has no cycle rule)")
     detector = DetectorConfig(pick("abort_entropy"), pick("entropy_window"), pick("entropy_guard"),
                               pick("abort_gzip"), pick("gzip_window"), pick("abort_repeat"),
-                              pick("abort_copies"))
+                              pick("abort_copies"), name=name)
     config = RescueConfig(pick("nb"), pick("nh"), pick("step_tokens"), pick("max_steps"), opts.ctx_size,
-                          max_new_tokens=opts.n_predict, detector=detector, early_exit=pick("detector")).validate()
+                          max_new_tokens=opts.n_predict, detector=detector, early_exit=pick("early_exit")).validate()
     model = opts.model if opts.model is not None else preset.get("model")
     base_opts = dataclasses.replace(opts, model=model, policy=policy)
     # the knobs are the base's: the helper keeps full KV

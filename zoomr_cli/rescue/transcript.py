@@ -10,7 +10,8 @@ Summary fields (tokens are in each model's own vocabulary):
     prefill_tokens {base, helper} (prompt + re-base prefills), aborted (base candidates stopped by
     the detector), aborted_by_reason, aborts [{step, cand, reason, signals}], kv {base, helper}
     (KVStats of the committed states at the last commit; after the prompt if nothing was committed),
-    kv_trajectory {base, helper} (see :meth:`Transcript.trajectory_kv`), scorer, seconds.
+    kv_trajectory {base, helper} (see :meth:`Transcript.trajectory_kv`), scorer, detector (``zoomr`` or
+    ``paper``: which degeneration detector read the base candidates), seconds.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ class Transcript:
                 "mean_full_bytes": round(sum(s[3] for s in series) / n),
                 "peak_active_tokens": last["peak_active_tokens"]}
 
+    @property
+    def detector(self) -> str | None:
+        """Which degeneration detector ran (``zoomr`` or ``paper``, :mod:`zoomr.rescue.detectors`), from the
+        run's settings; None before the run started or for settings that do not name one."""
+        found = self.start.settings.get("detector") if self.start else None
+        return found.get("name") if isinstance(found, dict) else None
+
     def summary(self) -> dict:
         """The summary fields listed in the module docstring."""
         by_reason: dict[str, int] = {}
@@ -135,6 +143,7 @@ class Transcript:
             "kv": self.kv,
             "kv_trajectory": {role: self.trajectory_kv(role) for role in self.kv},
             "scorer": self.start.scorer if self.start else None,
+            "detector": self.detector,
             "seconds": self.finish.seconds if self.finish else None,
         }
 
