@@ -16,9 +16,9 @@ slack trigger, normalized scores, offsets up to 65,536, mean aggregation), re-de
   1e-6), a KV head takes the max over its query group, and the mean over layers; each KV head keeps its top
   keys, and that keep set applies to the KV head in every layer (the reference's ``per_head_pruning``: not
   per layer).
-* Budget: never at the prompt's forward; once B + 128 positions are attended on a later forward the cache is
-  cut to B. The prompt is pinned and counts in B: its positions are kept, the other B − P are chosen by
-  score. Positions are never shifted.
+* Budget: never during the prompt; once B + 128 positions are attended on a decode step the cache is cut to B
+  (the reference's slack trigger, ``use_slack_trigger``: no step-length schedule). The prompt is pinned and
+  counts in B: its positions are kept, the other B − P are chosen by score. Positions are never shifted.
 
 How it is computed here (same value up to rounding): the reference undoes each key's RoPE at p and then turns
 it by (t − p + δ); the two rotations compose into one by t + δ, so
@@ -36,9 +36,10 @@ Deviations kept:
 * A prompt of P ≥ B tokens: the reference's ``decode_budget == 0`` branch keeps the prompt's first B positions
   and nothing else, which is what happens here (pinned = the first min(P, B) positions).
 * On llama.cpp one selection serves every layer and KV head (``--selection shared``: the mean of the per-KV-head
-  scores over KV heads too), as for the other score-ranked policies there; a prompt longer than the cells a
-  sequence may hold is prefilled in chunks and cut when it fills them (:attr:`TriAttentionPolicy.prefill_cap`),
-  the reference never compressing at prefill.
+  scores over KV heads too), as for the other score-ranked policies there; the newest position is always kept
+  (:attr:`TriAttentionPolicy.keep_last`: llama.cpp takes a sequence's next token only right after its last cell);
+  a prompt longer than the cells a sequence may hold is prefilled in chunks and cut when it fills them
+  (:attr:`TriAttentionPolicy.prefill_cap`), the reference never compressing at prefill.
 * Calibration: the reference's ``scripts/calibrate.py`` hooks ``q_proj``'s output, so a Qwen3 query is taken
   before its ``q_norm``; here it is taken after, as attention sees it (the issue's summary says so). Its text is
   zoomr's own shipped source files, the reference's docs naming source code as good calibration text.

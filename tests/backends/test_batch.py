@@ -14,6 +14,7 @@ from zoomr.kvstore.rkv import RKVPolicy
 from zoomr.kvstore.snapkv import SnapKVPolicy
 from zoomr.kvstore.streaming import StreamingPolicy
 from zoomr.kvstore.sumr import SumRPolicy
+from zoomr.kvstore.triattention import TriAttentionPolicy
 from zoomr.kvstore.zoomr import ZoomRPolicy
 
 TEXTS = ["The capital of France is", "Count: 1, 2, 3, 4, 5, 6, 7, 8. Next we add the numbers and then we",
@@ -30,8 +31,9 @@ SMALL = {
     "keydiff": lambda: KeyDiffPolicy(16, window=4, buffer=8),
     "sumr": lambda: SumRPolicy(window=16, segment_tokens=16),
     "zoomr": lambda: ZoomRPolicy(window=16, topk=1, consensus=1, segment_tokens=16),
+    "triattention": lambda: TriAttentionPolicy(16, buffer=8),
 }
-BUDGETED = ("streaming", "h2o", "snapkv", "rkv", "keydiff")
+BUDGETED = ("streaming", "h2o", "snapkv", "rkv", "keydiff", "triattention")
 
 
 def test_every_torch_policy_has_a_small_setting_here():

@@ -34,7 +34,7 @@ def one_line(err: str) -> str:
     (["solve", "--top-k"], ["--top-k", "requires an argument"]),
     (["solve", "--ignore-eos=3"], ["--ignore-eos", "does not take a value"]),
     (["solve", "a.txt", "b.txt"], ["solve: got unexpected extra argument", "b.txt"]),
-    (["nosuchcommand"], ["no such command 'nosuchcommand'", "commands: bench, chat, finetune, solve"]),
+    (["nosuchcommand"], ["no such command 'nosuchcommand'", "commands: bench, calibrate, chat, finetune, solve"]),
     (["slove", "x.txt"], ["no such command 'slove'; did you mean solve?"]),
     (["--nope"], ["no such option --nope"]),
 ])
