@@ -14,7 +14,7 @@ from zoomr.cli.app import main
      "--sink is read by streaming only, not by --policy full"),
     # typed at its default value: still typed
     (["solve", "--policy", "full", "--budget", "64", "-p", "1+1"],
-     "--budget is read by streaming, h2o, snapkv, rkv, keydiff only, not by --policy full"),
+     "--budget is read by streaming, h2o, snapkv, rkv, keydiff, triattention only, not by --policy full"),
     (["solve", "--policy", "rkv", "--topk-per-head", "3", "-p", "1+1"],
      "--topk-per-head is read by zoomr only, not by --policy rkv"),
     (["chat", "--policy", "streaming", "--consensus", "2"],
