@@ -31,7 +31,9 @@ from zoomr.cli.rescue_options import rescue_options
 
 def bench(
     budget: Annotated[Optional[list[int]], typer.Option("--budget", help="KV budget B (tokens); repeat for several (default 64).")] = None,
-    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare.")] = ",".join(policy_names()),
+    policies: Annotated[str, typer.Option("--policies", help="Comma-separated policies to compare; a policy may carry knobs of its own "
+                                          "for its cell alone, over the bench-wide flags: zoomr:window=256, "
+                                          "zoomr:window=128:segment-tokens=64 (the same policy may run with several).")] = ",".join(policy_names()),
     dataset: Annotated[str, typer.Option("--dataset", help="gsm8k, math500, aime24, amc23, olympiadbench, a JSONL "
                                          "path or a hub data set id.")] = "gsm8k",
     limit: Annotated[Optional[int], typer.Option("--limit", help="First N problems only.")] = None,

@@ -7,12 +7,13 @@ from dataclasses import replace
 
 from zoomr.errors import UserError
 from zoomr.factory import policy_spec, with_policy
-from zoomr.kvstore.registry import REFERENCE, REGISTRY, matched_target, policy_info
+from zoomr.kvstore.registry import REFERENCE, matched_target, policy_info
 from zoomr.options import RunOptions
 
 from zoomr.evaluation.batching import CellRun, FidelityJob, GenerationJob, run_cell, teacher_forced_fidelity
 from zoomr.evaluation.match import TOLERANCE, match_error, match_fields, predict_budget
 from zoomr.evaluation.records import FULL_BEST_OF_N, MATCHED, RESCUE_CELLS
+from zoomr.evaluation.variants import is_variant_label, variant_of
 
 
 def runs_later(policy: str, budget) -> bool:
@@ -22,17 +23,18 @@ def runs_later(policy: str, budget) -> bool:
 
 
 def cell_policy(name: str, budget, rescue_base: str | None = None) -> tuple[str, int | str | None] | None:
-    """The policy a cell builds and the budget knob it gets: (policy, budget in tokens, :data:`MATCHED`, or None
-    for a policy that sizes itself); a rescue cell builds its base policy, full-best-of-n full KV. None: a rescue
+    """The policy a cell builds and the budget knob it gets: (its label, budget in tokens, :data:`MATCHED`, or
+    None for a policy that sizes itself); a rescue cell builds its base policy, full-best-of-n full KV. The label
+    is a policy or a variant of one (``zoomr:window=256``, :mod:`zoomr.evaluation.variants`). None: a rescue
     cell without a base.
 
     Raises:
-        ValueError: an unknown policy.
+        ValueError / UserError: an unknown policy or variant.
     """
-    policy = REFERENCE if name == FULL_BEST_OF_N else name if name in REGISTRY else rescue_base
-    if policy is None:
+    label = REFERENCE if name == FULL_BEST_OF_N else name if is_variant_label(name) else rescue_base
+    if label is None:
         return None
-    return policy, (budget if budget is not None and policy_info(policy).budgeted else None)
+    return label, (budget if budget is not None and policy_info(variant_of(label).policy).budgeted else None)
 
 
 def problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pending: list, fidelity: bool,
@@ -70,14 +72,17 @@ def problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pen
     return runs
 
 
-def target_record(records: list[dict], problem_id: str) -> dict:
+def target_record(records: list[dict], problem_id: str, target: str | None = None) -> dict:
     """The matched target's (:func:`zoomr.kvstore.registry.matched_target`, ZoomR) record of this problem: its
     measured mean active KV is what the matched baselines aim at.
 
+    Args:
+        target: the target cell's label (``zoomr:window=256`` when that variant is the first ZoomR cell of the
+            bench, :attr:`zoomr.evaluation.bench_plan.BenchPlan.target`); None: the plain policy.
     Raises:
         UserError: it is not recorded yet (the bench runs it before the matched cells).
     """
-    target = matched_target()
+    target = target or matched_target()
     for r in records:
         if r["problem_id"] == problem_id and r["policy"] == target:
             return r
@@ -90,7 +95,8 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
     :mod:`zoomr.evaluation.match`).
 
     Args:
-        base: the bench's full-KV torch backend; ``policy``: an evicting baseline.
+        base: the bench's full-KV torch backend; ``policy``: an evicting baseline (a cell label: a policy or
+            a variant of one with its own knobs).
         reference: full KV's run for fidelity (None: no fidelity), measured on the run kept.
         target: the matched target's record of the same problem (``mean_active_tokens``, ``tokens_generated``;
             :func:`target_record`).
@@ -102,11 +108,12 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
         ValueError: no budget is valid with the policy's knobs (see ``predict_budget``).
     """
     mean, n = float(target["mean_active_tokens"]), int(target["tokens_generated"])
-    spec = policy_spec(replace(opts, policy=policy))
+    cell = variant_of(policy).options(opts)
+    spec = policy_spec(cell)
     budget, simulated = predict_budget(spec, mean, len(ids), n)
     runs = 0
     while True:
-        view = with_policy(base, replace(opts, policy=policy).with_knobs(budget=budget))
+        view = with_policy(base, cell.with_knobs(budget=budget))
         rec = run_cell(view, problem, ids, sampling, opts.n_predict, ignore_eos=opts.ignore_eos)
         runs += 1
         if runs == 2:

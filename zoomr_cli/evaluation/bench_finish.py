@@ -15,6 +15,7 @@ from zoomr.evaluation.metrics import summarize
 from zoomr.evaluation.plots import write_plots
 from zoomr.evaluation.records import MATCHED, RecordLog
 from zoomr.evaluation.rescue_cells import rescue_rows, rescue_warnings
+from zoomr.evaluation.variants import base_of
 
 IDLE_SAVING = 1.05  # a matched target saving less than this × held (almost) full KV
 
@@ -64,7 +65,7 @@ def summary_warnings(records: list[dict], rows: list[dict]) -> list[str]:
     matched rows off their target by more than :data:`zoomr.evaluation.match.TOLERANCE`."""
     lines = list(rescue_warnings(records))
     target = matched_target()
-    idle = [r for r in records if r["policy"] == target and r.get("saving") and r["saving"] < IDLE_SAVING]
+    idle = [r for r in records if base_of(r["policy"]) == target and r.get("saving") and r["saving"] < IDLE_SAVING]
     if idle and any(r["budget"] == MATCHED for r in rows):
         lines.append(f"{target} held (almost) full KV on {len(idle)} of its problems (saving < {IDLE_SAVING}×): "
                      "the matched baselines there compare at full memory; generate longer (-n, --ignore-eos) to "

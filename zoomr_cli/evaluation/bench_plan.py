@@ -2,7 +2,9 @@
 
 A cell is (policy, budget): budget None for a policy that sizes itself (full, SumR, ZoomR), a number of
 tokens for a budgeted one, :data:`MATCHED` for a baseline whose budget follows ZoomR's measured KV. Every
-knob given applies to the policies whose config has it, and only to those (:func:`zoomr.options.knob_scope`).
+knob given applies to the policies whose config has it, and only to those (:func:`zoomr.options.knob_scope`);
+a cell's policy may carry knobs of its own (``zoomr:window=256``, :mod:`zoomr.evaluation.variants`), which
+win over the bench-wide ones for that cell.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ from zoomr.evaluation.datasets import Problem, load_problems
 from zoomr.evaluation.records import MATCHED  # the record format owns the value
 from zoomr.evaluation.rescue_cells import RescueCells
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
+from zoomr.evaluation.variants import variant_of
 
 
 def plan_cells(policies: list[str], budgets: list[int], matched: bool = False) -> list[tuple[str, int | str | None]]:
     """(policy, budget) cells per problem: full first (the fidelity reference), then every policy that sizes
     itself once, then every budgeted one at each of ``budgets`` (tokens), or once at :data:`MATCHED`.
+    ``policies`` are cell labels (a policy, or a variant such as ``snapkv:window=32``).
 
     Raises:
-        ValueError: an unknown policy.
+        ValueError / UserError: an unknown policy or variant.
     """
-    sized = [p for p in policies if policy_info(p).budgeted]
+    sized = [p for p in policies if policy_info(variant_of(p).policy).budgeted]
     cells: list[tuple[str, int | str | None]] = [(REFERENCE, None)]
     cells += [(p, None) for p in policies if p != REFERENCE and p not in sized]
     if matched:
@@ -59,8 +63,8 @@ def validate_cells(cells: list[tuple[str, object]], opts: RunOptions, rescue_bas
         key = cell_policy(name, budget, rescue_base)
         if key is None or key in factories:   # rescue and best-of-n share the base at one budget
             continue
-        policy, knob = key
-        cell = replace(opts, policy=policy)
+        label, knob = key
+        cell = variant_of(label).options(opts)
         if knob is not None:
             cell = cell.with_knobs(budget=opts.ctx_size if knob == MATCHED else knob)
         try:
@@ -78,7 +82,9 @@ class BenchPlan:
     """A bench checked before any model loads: what runs (cells per problem), on what, where to.
 
     Attributes:
-        policies: the policies compared; cells: (policy, budget) per problem, rescue cells included.
+        policies: the cell labels compared (policies or variants, :mod:`zoomr.evaluation.variants`); cells:
+            (label, budget) per problem, rescue cells included; target: the matched target's cell label
+            (the first of ``policies`` that is ZoomR or a variant of it; None: none runs).
         factories: each fixed-budget cell's validated cache factory (built once for the whole bench).
         config: the settings ``config.json`` records (a resume must not change them).
     """
@@ -96,6 +102,7 @@ class BenchPlan:
     fidelity: bool
     n_parallel: int
     rescue_plan: object = None
+    target: str | None = None
 
     @property
     def rescue_base(self) -> str | None:
@@ -111,15 +118,18 @@ def plan_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int]
     Raises:
         UserError / ValueError: see :func:`zoomr.evaluation.runner.bench`.
     """
-    names, chosen = policy_names(), list(policies)
-    if not chosen:
+    names = policy_names()
+    if not list(policies):
         raise UserError(f"--policies: give at least one of {', '.join(names)}")
+    bad = [p for p in policies if p.split(":", 1)[0].strip() not in names]
+    if bad:
+        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
+    variants = [variant_of(p) for p in policies]
+    chosen = [v.label for v in variants]
     twice = sorted({p for p in chosen if chosen.count(p) > 1})
     if twice:
         raise UserError(f"--policies: {', '.join(twice)} given more than once (each policy runs once per budget)")
-    bad = [p for p in chosen if p not in names]
-    if bad:
-        raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
+    bases = list(dict.fromkeys(v.policy for v in variants))
     if opts.backend != "torch":
         raise UserError("zoomr bench compares policies on the torch backend (--backend torch)")
     if n_parallel < 1:
@@ -131,11 +141,11 @@ def plan_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int]
     target = matched_target()
     if match_budget and budgets:
         raise UserError(f"--match-budget chooses each baseline's budget from {target}'s measured KV: drop --budget")
-    if budgets and rescue is None and not set(chosen) & set(budgeted()):
+    if budgets and rescue is None and not set(bases) & set(budgeted()):
         raise UserError(not_read("--budget", budgeted()))
     if budgets:   # a budget given (the default 64 is no user's choice: a tiny -c with full alone is fine)
         check_knob_sizes(opts.with_knobs(budget=max(sizes)))
-    if match_budget and target not in chosen:
+    if match_budget and target not in bases:
         raise UserError(f"--match-budget needs {target} among --policies (its measured KV sets the budget)")
     sampling = opts.sampling(default_temp=0.0)
     name, problems = load_problems(dataset, limit)
@@ -153,8 +163,9 @@ def plan_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int]
         cells += RescueCells.cells([MATCHED] if match_budget else sizes)
         rescue_base = rescue_plan.base_opts.policy
     # a knob no policy reads is named as such, before any cell is built
-    scope = knob_scope(chosen + ([rescue_base] if rescue_base else []), opts)
+    scope = knob_scope(bases + ([rescue_base] if rescue_base else []), opts)
     factories = validate_cells(cells, opts, rescue_base)
     folder = Path(out) if out is not None else Path(f"bench_out/{Path(name).name.replace('/', '_')}")
+    target_cell = next((v.label for v in variants if v.policy == target), None)
     return BenchPlan(opts, chosen, cells, factories, sampling, name, problems, folder, config, scope, fidelity,
-                     n_parallel, rescue_plan)
+                     n_parallel, rescue_plan, target_cell)

@@ -120,13 +120,13 @@ def run_problems(plan: BenchPlan, models: LoadedModels, problems: Sequence[Probl
                 emit(ev.CellStarted(problem.id, policy, b))
                 if policy in RESCUE_CELLS and b == MATCHED:
                     rec = rescue_cells.run_matched(policy, problem, ids, opts.n_predict,
-                                                   target_record(records, problem.id))
+                                                   target_record(records, problem.id, plan.target))
                     budget_tokens = rec.pop("budget_tokens")
                 elif policy in RESCUE_CELLS:
                     budget_tokens = b
                     rec = rescue_cells.run(policy, b, problem, ids, opts.n_predict)
                 else:
                     rec = run_matched(base, opts, policy, problem, ids, plan.sampling, reference,
-                                      target_record(records, problem.id))
+                                      target_record(records, problem.id, plan.target))
                     budget_tokens = rec.pop("budget_tokens")
                 put((problem.id, policy, b), rec, budget_tokens)

@@ -11,6 +11,7 @@ from zoomr.evaluation.records import BEST_OF_N, RESCUE
 from zoomr.evaluation.rescue_cells import cell_label
 from zoomr.evaluation.stats import cell_intervals
 from zoomr.kvstore.registry import REFERENCE, REGISTRY
+from zoomr.evaluation.variants import base_of
 
 # One colour per policy in every figure: a policy's is its registry row's (``PolicyInfo.colour``), the rescue
 # cells' are these; names without one get a fallback colour picked from a stable hash of the name.
@@ -45,10 +46,12 @@ def plot_title(meta: dict) -> str:
 
 
 def _policy_order(policies) -> list[str]:
-    """Palette order first (the same legend order in every figure), then unknown names as first seen."""
+    """Palette order first (the same legend order in every figure), each policy's variants
+    (``zoomr:window=256``) right after it, then unknown names as first seen."""
     seen = list(dict.fromkeys(policies))
     palette = _palette()
-    return [p for p in palette if p in seen] + [p for p in seen if p not in palette]
+    ordered = [q for p in palette for q in seen if q == p or (q != p and base_of(q) == p)]
+    return ordered + [p for p in seen if p not in ordered]
 
 
 def log_scale(values: list[float]) -> bool:

@@ -30,6 +30,7 @@ from zoomr.evaluation.datasets import Problem
 from zoomr.evaluation.provenance import run_provenance
 from zoomr.evaluation.ray_bench import RayBench
 from zoomr.evaluation.records import RecordLog, record_key, write_config
+from zoomr.evaluation.variants import cell_knob_fields
 
 BENCH_N_PREDICT = 256  # zoomr bench's -n default: shorter than solve's, a bench runs many cells
 
@@ -211,8 +212,8 @@ def _recorder(plan: BenchPlan, log: RecordLog, on_record, emit) -> Put:
         problem_id, policy, b = key
         if record_key(problem_id, policy, b) in log.done:
             return
-        log.append({"problem_id": problem_id, "policy": policy, "budget": b, "budget_tokens": budget_tokens,
-                    "gold": golds[problem_id], **fields})
+        log.append({"problem_id": problem_id, "policy": policy, **cell_knob_fields(policy), "budget": b,
+                    "budget_tokens": budget_tokens, "gold": golds[problem_id], **fields})
         if on_record is not None:
             on_record(log.records[-1])
         emit(ev.CellFinished(log.records[-1], log.records))
