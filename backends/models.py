@@ -90,7 +90,8 @@ def resolve_model(spec: str | None) -> ModelSource:
             ``configs/models.toml``; a ``.gguf`` path; a directory
             with ``config.json``; or a hub id ``owner/name`` (downloaded once, then used offline).
     Raises:
-        ModelNotFound: missing path, a directory without config.json, or a hub id that is neither
+        ModelNotFound: missing path, a bare name that is no alias (the aliases listed), a directory without
+            config.json, or a hub id that is neither
             cached nor downloadable (offline).
     """
     if spec in (None, "", "default", EMBEDDED_NAME):
@@ -107,8 +108,17 @@ def resolve_model(spec: str | None) -> ModelSource:
         if not (p / "config.json").is_file():
             raise ModelNotFound(f"{spec}: directory has no config.json (expected a HF model directory)")
         return ModelSource("hf", p, p.name)
-    if p.suffix == ".gguf" or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+    hub_id = bool(_HUB_ID.match(spec))
+    explicit_path = p.suffix == ".gguf" or spec.startswith((".", "/", "~"))
+    if explicit_path or (not hub_id and any(c in spec for c in "/\\")):
         raise ModelNotFound(f"{spec}: no such model file or directory")
+    if not hub_id:
+        # a bare name: most likely a mistyped alias, so the refusal lists them
+        from zoomr.configs import model_aliases
+
+        known = ", ".join(["default", EMBEDDED_NAME, *model_aliases()])
+        raise ModelNotFound(f"{spec}: no such model file or directory, and not a model alias (aliases: {known}; "
+                            "or a .gguf file, a HF model directory, a hub id owner/name)")
     return ModelSource("hf", _hub_snapshot(spec), spec)
 
 

@@ -24,3 +24,8 @@ def model_alias(name: str) -> str | None:
     """The hub id or file a model alias stands for (``[models.<name>] source``), or None if unknown."""
     entry = load("models").get("models", {}).get(name)
     return entry.get("source") if entry else None
+
+
+def model_aliases() -> list[str]:
+    """Every alias ``-m`` accepts from ``configs/models.toml``, in file order."""
+    return list(load("models").get("models", {}))

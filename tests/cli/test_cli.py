@@ -50,6 +50,8 @@ def test_solve_from_stdin_prompt_too_long_for_ctx():
     ("binary", ["{p}"], "binary"),
     ("latin1", ["{p}"], "UTF-8"),
     (None, ["examples/problem.txt", "-m", "nope/missing.gguf"], "no such model"),
+    # a bare name is a mistyped alias: the refusal lists the aliases there are
+    (None, ["examples/problem.txt", "-m", "smollm2-summarys"], "not a model alias (aliases: default, smollm2-135m, "),
     ("noise", ["examples/problem.txt", "-m", "{p}"], "GGUF"),
     ("dir", ["examples/problem.txt", "-m", "{p}"], "config.json"),
     (None, ["examples/problem.txt", "--top-p", "2"], "top-p"),

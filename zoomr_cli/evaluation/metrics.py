@@ -109,7 +109,10 @@ def summarize(records: list[dict]) -> list[dict]:
         scorer (the cells' ``scorer`` label: ``likelihood:HELPER`` or ``prm:PATH``) (None elsewhere);
         zoomr only: ag_mean, ag_std (means over problems of each run's AG mean and spread over its recomputes,
         the paper's AG of ZoomR §4, ``kv_extra``), ag_candidates_mean (the same of zoomr's own AG, the
-        selection's votes; :mod:`zoomr.kvstore.zoomr`) (None elsewhere).
+        selection's votes; :mod:`zoomr.kvstore.zoomr`), saving_formula (mean over problems of ZoomR §3.5's MS on
+        each run's own lengths, beside the measured ``saving``) (None elsewhere);
+        SumR and ZoomR: recomputes (mean per problem), summaries_per_1k_tokens (delimited summaries the model
+        wrote per 1,000 generated tokens, over the row's runs) (None elsewhere).
     """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -156,8 +159,18 @@ def summarize(records: list[dict]) -> list[dict]:
             "ag_mean": _mean(extra("ag_mean")),
             "ag_std": _mean(extra("ag_std")),
             "ag_candidates_mean": _mean(extra("ag_candidates_mean")),
+            "saving_formula": _mean(extra("saving_formula")),
+            "recomputes": _mean(extra("recomputes")) if any(v is not None for v in extra("summaries_written")) else None,
+            "summaries_per_1k_tokens": _per_1k(extra("summaries_written"), get("tokens_generated")),
         })
     return rows
+
+
+def _per_1k(counts: list, tokens: list) -> float | None:
+    """Σ counts per 1,000 of Σ tokens over the runs that have a count; None when none has one."""
+    pairs = [(c, t) for c, t in zip(counts, tokens) if c is not None and t]
+    total = sum(t for _, t in pairs)
+    return round(1000 * sum(c for c, _ in pairs) / total, 3) if total else None
 
 
 def recovered_fraction(acc_rescue: float, acc_evict: float, acc_full: float) -> float | None:
