@@ -3,7 +3,6 @@ its fidelity pass) and the matched-budget ones, whose budget follows the matched
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 from zoomr.errors import UserError
 from zoomr.factory import policy_spec, with_policy
@@ -13,7 +12,7 @@ from zoomr.options import RunOptions
 from zoomr.evaluation.batching import CellRun, FidelityJob, GenerationJob, run_cell, teacher_forced_fidelity
 from zoomr.evaluation.match import TOLERANCE, match_error, match_fields, predict_budget
 from zoomr.evaluation.records import FULL_BEST_OF_N, MATCHED, RESCUE_CELLS
-from zoomr.evaluation.variants import is_variant_label, variant_of
+from zoomr.evaluation.variants import is_variant_label, parse_variant
 
 
 def runs_later(policy: str, budget) -> bool:
@@ -34,7 +33,7 @@ def cell_policy(name: str, budget, rescue_base: str | None = None) -> tuple[str,
     label = REFERENCE if name == FULL_BEST_OF_N else name if is_variant_label(name) else rescue_base
     if label is None:
         return None
-    return label, (budget if budget is not None and policy_info(variant_of(label).policy).budgeted else None)
+    return label, (budget if budget is not None and policy_info(parse_variant(label).policy).budgeted else None)
 
 
 def problem_cells(base, opts: RunOptions, problem, ids: list[int], sampling, pending: list, fidelity: bool,
@@ -108,7 +107,7 @@ def run_matched(base, opts: RunOptions, policy: str, problem, ids: list[int], sa
         ValueError: no budget is valid with the policy's knobs (see ``predict_budget``).
     """
     mean, n = float(target["mean_active_tokens"]), int(target["tokens_generated"])
-    cell = variant_of(policy).options(opts)
+    cell = parse_variant(policy).options(opts)
     spec = policy_spec(cell)
     budget, simulated = predict_budget(spec, mean, len(ids), n)
     runs = 0

@@ -9,7 +9,7 @@ win over the bench-wide ones for that cell.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -24,7 +24,7 @@ from zoomr.evaluation.datasets import Problem, load_problems
 from zoomr.evaluation.records import MATCHED  # the record format owns the value
 from zoomr.evaluation.rescue_cells import RescueCells
 from zoomr.evaluation.rescue_cells import plan as plan_rescue_cells
-from zoomr.evaluation.variants import variant_of
+from zoomr.evaluation.variants import parse_variant
 
 
 def plan_cells(policies: list[str], budgets: list[int], matched: bool = False) -> list[tuple[str, int | str | None]]:
@@ -35,7 +35,7 @@ def plan_cells(policies: list[str], budgets: list[int], matched: bool = False) -
     Raises:
         ValueError / UserError: an unknown policy or variant.
     """
-    sized = [p for p in policies if policy_info(variant_of(p).policy).budgeted]
+    sized = [p for p in policies if policy_info(parse_variant(p).policy).budgeted]
     cells: list[tuple[str, int | str | None]] = [(REFERENCE, None)]
     cells += [(p, None) for p in policies if p != REFERENCE and p not in sized]
     if matched:
@@ -64,7 +64,7 @@ def validate_cells(cells: list[tuple[str, object]], opts: RunOptions, rescue_bas
         if key is None or key in factories:   # rescue and best-of-n share the base at one budget
             continue
         label, knob = key
-        cell = variant_of(label).options(opts)
+        cell = parse_variant(label).options(opts)
         if knob is not None:
             cell = cell.with_knobs(budget=opts.ctx_size if knob == MATCHED else knob)
         try:
@@ -124,7 +124,7 @@ def plan_bench(opts: RunOptions, policies: Sequence[str], budgets: Sequence[int]
     bad = [p for p in policies if p.split(":", 1)[0].strip() not in names]
     if bad:
         raise UserError(f"--policies: unknown {', '.join(bad)} (choose from {', '.join(names)})")
-    variants = [variant_of(p) for p in policies]
+    variants = [parse_variant(p) for p in policies]
     chosen = [v.label for v in variants]
     twice = sorted({p for p in chosen if chosen.count(p) > 1})
     if twice:

@@ -104,15 +104,6 @@ def parse_variant(text: str) -> Variant:
     return Variant(label, name, knobs)
 
 
-def variant_of(label: str) -> Variant:
-    """The :class:`Variant` a cell label names (a plain policy name included).
-
-    Raises:
-        UserError: as :func:`parse_variant`.
-    """
-    return parse_variant(label)
-
-
 def is_variant_label(name: str) -> bool:
     """Whether ``name`` is a policy or a variant of one (rescue cells' names are neither)."""
     return name.split(SEP, 1)[0].strip() in REGISTRY
@@ -128,5 +119,5 @@ def cell_knob_fields(name: str) -> dict:
     (plain policies and rescue cells)."""
     if not is_variant_label(name):
         return {}
-    v = variant_of(name)
+    v = parse_variant(name)
     return {"cell_knobs": dict(v.knobs)} if v.knobs else {}
